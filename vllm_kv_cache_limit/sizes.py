@@ -1,0 +1,145 @@
+"""Memory sizes with units: one parser for the CLI, the Python API and the
+environment variable, and a formatter that writes sizes back in tidy units.
+
+Pure logic: no vLLM import, so it is cheap to import and easy to test.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import ROUND_FLOOR, Decimal, InvalidOperation
+
+__all__ = ["MAX_SIZE_BYTES", "parse_size", "format_size", "format_gib"]
+
+MAX_SIZE_BYTES = 2**63
+"""Largest size accepted, in bytes (sizes are carried as signed 64-bit)."""
+
+VALID_EXAMPLES = "'8G', '512MiB', '1.5GiB', '16 GB' or '8589934592' (bytes)"
+
+# One-letter suffixes follow vLLM's own convention for size arguments
+# (``--kv-cache-memory-bytes``, ``--max-model-len``): upper case is binary,
+# lower case is decimal.
+_ONE_LETTER = {
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+}
+# Explicit units, matched in any letter case.
+_EXPLICIT = {
+    "": 1,
+    "b": 1,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+_UNITS_HELP = (
+    "units: K M G T (binary, as in vLLM), k m g t (decimal), "
+    "KiB MiB GiB TiB (binary), KB MB GB TB (decimal), B or none (bytes)"
+)
+# ASCII digits only: str.isdigit() and \d accept other scripts' digits too.
+_SIZE_RE = re.compile(
+    r"^[ \t]*(?P<number>[0-9]+(?:\.[0-9]+)?|\.[0-9]+)[ \t]*(?P<unit>[A-Za-z]*)[ \t]*$"
+)
+
+
+def _invalid(value: object, reason: str) -> ValueError:
+    return ValueError(
+        f"Invalid size {value!r}: {reason}. Expected a positive number with an "
+        f"optional unit, for example {VALID_EXAMPLES}; {_UNITS_HELP}."
+    )
+
+
+def _multiplier(unit: str) -> int | None:
+    if len(unit) == 1 and unit in _ONE_LETTER:
+        return _ONE_LETTER[unit]
+    if unit == "b":
+        # Lower-case 'b' is the usual symbol for bits; refuse it.
+        return None
+    return _EXPLICIT.get(unit.lower())
+
+
+def parse_size(value: str | int) -> int:
+    """Return the number of bytes that ``value`` denotes.
+
+    ``value`` is an int of bytes or a string such as ``"8G"``, ``"512MiB"``,
+    ``"1.5GiB"`` or ``" 16 GB "``. Fractional sizes are rounded down to a whole
+    byte. Raises ``ValueError`` quoting the input for anything else.
+    """
+    if isinstance(value, bool):
+        raise _invalid(value, "a bool is not a size")
+    if isinstance(value, float):
+        raise _invalid(
+            value, f"a float is ambiguous; pass a string such as '{value!r}G' or "
+            f"'{value!r}GiB', or an int of bytes"
+        )
+    if isinstance(value, int):
+        nbytes = value
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match is None:
+            raise _invalid(value, "not a number followed by a unit")
+        multiplier = _multiplier(match["unit"])
+        if multiplier is None:
+            raise _invalid(value, f"unknown unit {match['unit']!r}")
+        try:
+            exact = Decimal(match["number"]) * multiplier
+        except InvalidOperation:  # pragma: no cover - the regex admits none
+            raise _invalid(value, "not a number") from None
+        if exact > MAX_SIZE_BYTES:
+            raise _invalid(value, "larger than 2**63 bytes")
+        nbytes = int(exact.to_integral_value(rounding=ROUND_FLOOR))
+    else:
+        raise _invalid(value, f"expected a str or an int, got {type(value).__name__}")
+
+    if nbytes <= 0:
+        raise _invalid(value, "the size must be at least one byte")
+    if nbytes > MAX_SIZE_BYTES:
+        raise _invalid(value, "larger than 2**63 bytes")
+    return nbytes
+
+
+_BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def format_size(nbytes: int, rounding: str = "down") -> str:
+    """Write ``nbytes`` in the largest binary unit it reaches, with at most two
+    decimals, e.g. ``"2.25GiB"``.
+
+    ``rounding="down"`` gives the largest such value not above ``nbytes`` (a
+    size that still fits); ``"up"`` the smallest not below it (a size that
+    still holds ``nbytes``). ``parse_size`` reads the result back.
+    """
+    if rounding not in ("down", "up"):
+        raise ValueError(f"rounding must be 'down' or 'up', got {rounding!r}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must not be negative, got {nbytes}")
+    for unit, size in _BINARY_UNITS:
+        if nbytes >= size:
+            if rounding == "down":
+                count = nbytes * 100 // size
+            else:
+                count = -(-nbytes * 100 // size)
+            whole, frac = divmod(count, 100)
+            text = f"{whole}.{frac:02d}".rstrip("0").rstrip(".")
+            return f"{text}{unit}"
+    return f"{nbytes}B"
+
+
+def format_gib(nbytes: int) -> str:
+    """Bytes as GiB with two decimals, as vLLM writes memory in its logs."""
+    return f"{nbytes / 2**30:.2f}"
+
