@@ -176,7 +176,8 @@ def _flag_help() -> str:
     # The help is the field's docstring, read as vLLM reads its config fields.
     from vllm.config.utils import get_attr_docs
 
-    return get_attr_docs(KVCacheLimitConfig)[FIELD]
+    # argparse expands %-formats in help texts.
+    return get_attr_docs(KVCacheLimitConfig)[FIELD].replace("%", "%%")
 
 
 def _add_cli_flag(original: Callable) -> Callable:
