@@ -367,10 +367,11 @@ def _log_decision(vllm_config: Any, decisions: list[CapDecision], configs: list[
         tokens = num_blocks * vllm_config.cache_config.block_size
     logger.info(
         "KV cache max memory: %s = %d bytes (%s GiB) per device; vLLM budget "
-        "%s GiB; cap %s; %d blocks, %d tokens.",
+        "%d bytes (%s GiB); cap %s; %d blocks, %d tokens.",
         format_size(cap, "up"),
         cap,
         format_gib(cap),
+        budget,
         format_gib(budget),
         "bound (KV cache reduced to the cap)" if any(d.bound for d in decisions) else "not bound",
         num_blocks,

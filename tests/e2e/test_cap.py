@@ -1,0 +1,120 @@
+"""The cap on real vLLM CPU engines with the tiny model, measured in the
+worker (bytes of the KV cache tensors' storages, via LLM.collective_rpc)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+MiB = 2**20
+INFO_RE = re.compile(
+    r"KV cache max memory: \S+ = (?P<cap>\d+) bytes .*? vLLM budget (?P<budget>\d+) bytes .*?; "
+    r"cap (?P<bound>bound|not bound).*?; (?P<blocks>\d+) blocks, (?P<tokens>\d+) tokens"
+)
+
+
+def info_line(log: str) -> re.Match[str]:
+    matches = list(INFO_RE.finditer(log))
+    assert len(matches) == 1, f"expected one INFO line per engine, got {len(matches)}:\n{log[-3000:]}"
+    return matches[0]
+
+
+def block_bytes(result: dict) -> int:
+    (allocated,) = result["kv_cache_bytes"]
+    assert allocated % result["num_gpu_blocks"] == 0
+    return allocated // result["num_gpu_blocks"]
+
+
+def test_cap_16m_allocates_at_most_the_cap_within_one_block(probe) -> None:
+    result, log = probe(kv_cache_max_memory="16M")
+    assert result["ok"], result
+    (allocated,) = result["kv_cache_bytes"]
+    cap = 16 * MiB
+    assert result["kv_cache_max_memory"] == cap
+    assert allocated <= cap
+    assert cap - allocated < block_bytes(result)
+    assert result["texts"] and result["texts"][0]
+    line = info_line(log)
+    assert int(line["cap"]) == cap and line["bound"] == "bound"
+    assert int(line["blocks"]) == result["num_gpu_blocks"]
+    assert int(line["budget"]) > cap
+
+
+def test_cap_above_budget_changes_nothing(probe) -> None:
+    # vLLM's CPU budget here is about 1.3 GiB (25% of the node less the
+    # worker's resident memory); a 4 GiB cap is above it and below free memory.
+    result, log = probe(kv_cache_max_memory="4G")
+    assert result["ok"], result
+    line = info_line(log)
+    budget = int(line["budget"])
+    assert budget < 4 * 2**30 and line["bound"] == "not bound"
+    per_block = block_bytes(result)
+    # Exactly what vLLM makes of its own budget: whole blocks, less than one
+    # block's worth under it.
+    (allocated,) = result["kv_cache_bytes"]
+    assert allocated <= budget < allocated + per_block
+
+
+def test_env_var_supplies_cap_and_smaller_explicit_size_is_kept(probe) -> None:
+    result, log = probe(env={"VLLM_KV_CACHE_MAX_MEMORY": "32M"}, kv_cache_memory_bytes=16 * MiB)
+    assert result["ok"], result
+    assert result["kv_cache_max_memory"] == 32 * MiB
+    assert result["kv_cache_memory_bytes"] == 16 * MiB
+    assert result["kv_cache_bytes"] == [16 * MiB]
+    assert "reducing kv_cache_memory_bytes" not in log
+
+
+def test_larger_explicit_size_is_reduced_to_cap_with_warning(probe) -> None:
+    result, log = probe(kv_cache_max_memory="16M", kv_cache_memory_bytes=64 * MiB)
+    assert result["ok"], result
+    assert result["kv_cache_memory_bytes"] == 16 * MiB
+    assert result["kv_cache_bytes"] == [16 * MiB]
+    assert re.search(r"WARNING.*kv_cache_memory_bytes=67108864 .* larger than kv_cache_max_memory=16777216", log)
+
+
+def test_block_override_is_reduced_to_blocks_within_cap(probe) -> None:
+    result, log = probe(kv_cache_max_memory="16M", num_gpu_blocks_override=1000)
+    assert result["ok"], result
+    (allocated,) = result["kv_cache_bytes"]
+    per_block = block_bytes(result)
+    assert result["num_gpu_blocks"] == 16 * MiB // per_block < 1000
+    assert allocated <= 16 * MiB
+    assert re.search(r"WARNING.*num_gpu_blocks_override=1000 .*reducing it to \d+ blocks", log)
+
+
+def test_cap_too_small_for_max_model_len_fails_with_message(probe) -> None:
+    result, _ = probe(kv_cache_max_memory="300K")
+    assert not result["ok"]
+    assert result["error_type"] == "KVCacheMaxMemoryError"
+    message = result["error"]
+    assert "--kv-cache-max-memory" in message and "max_model_len=512" in message
+    # vLLM's own estimate of the largest max_model_len that fits.
+    fit = re.search(r"--max-model-len (\d+)", message)
+    assert fit and 0 < int(fit[1]) < 512
+
+
+def _node_total_memory() -> int:
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+    return get_memory_node_info(get_allowed_cpu_list()[0].numa_node).total_memory
+
+
+def test_cap_above_free_memory_fails_in_worker_with_message(probe) -> None:
+    # Below the node's total (so the fail-fast check passes), above what is
+    # free once the model is loaded.
+    cap = _node_total_memory() - 16 * MiB
+    result, log = probe(kv_cache_max_memory=cap)
+    assert not result["ok"]
+    assert result["error_type"] == "KVCacheMaxMemoryError"
+    assert "larger than the free memory" in result["error"]
+    assert re.search(r"GiB free of \d+\.\d+ GiB total", result["error"])
+    assert "KV cache max memory:" not in log  # no KV cache was sized
+
+
+def test_cap_above_device_total_fails_before_weights_load(probe) -> None:
+    result, log = probe(kv_cache_max_memory="100T")
+    assert not result["ok"]
+    assert result["error_type"] == "KVCacheMaxMemoryError"
+    assert "larger than the total memory" in result["error"]
+    assert "EngineCore" not in log and "Loading weights" not in log
