@@ -1,0 +1,89 @@
+"""The OpenAI-compatible server started with --kv-cache-max-memory."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.e2e.conftest import REPO, engine_env
+
+MiB = 2**20
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", tiny_model, "--served-model-name", "tiny",
+                "--host", "127.0.0.1", "--port", str(port),
+                "--max-model-len", "512", "--gpu-memory-utilization", "0.25",
+                "--enforce-eager", "--kv-cache-max-memory", "16M",
+            ],
+            stdout=log, stderr=subprocess.STDOUT, env=engine_env(), cwd=REPO,
+            start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail(f"server not ready:\n{log_path.read_text()[-4000:]}")
+        yield base, log_path
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_server_answers_a_completion(server) -> None:
+    base, _ = server
+    reply = requests.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"]
+
+
+def test_metrics_show_the_cap_and_blocks_within_it(server) -> None:
+    base, log_path = server
+    metrics = requests.get(f"{base}/metrics", timeout=30).text
+    info = next(l for l in metrics.splitlines() if l.startswith("vllm:cache_config_info{"))
+    assert 'kv_cache_max_memory="16777216"' in info
+    blocks = int(re.search(r'num_gpu_blocks="(\d+)"', info)[1])
+    line = re.search(r"KV cache max memory: 16MiB = 16777216 bytes .*; (\d+) blocks", log_path.read_text())
+    assert line and int(line[1]) == blocks
+    block_size = int(re.search(r'block_size="(\d+)"', info)[1])
+    # 2 layers x (K, V) x 2 KV heads x head_dim 64 x 2 bytes (bf16) per token.
+    assert blocks * block_size * 2 * 2 * 2 * 64 * 2 <= 16 * MiB
