@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Check every place vllm-kv-cache-limit hooks into vLLM (``compat.HOOKS``)
+against the installed vLLM and against the source of another vLLM build.
+
+    scripts/check_hooks.py                       # installed vLLM + newest supported CUDA build
+    scripts/check_hooks.py --download 0.33.0     # installed vLLM + the vllm==0.33.0 wheel
+    scripts/check_hooks.py --wheel PATH.whl      # installed vLLM + a wheel already on disk
+    scripts/check_hooks.py --source DIR          # installed vLLM + a source tree (DIR/vllm/...)
+    scripts/check_hooks.py --no-installed ...    # skip the installed vLLM
+
+The CUDA wheel is fetched with ``pip download --no-deps`` into ``.cache/wheels``
+and only its ``vllm/**/*.py`` files are extracted (to ``.cache/vllm-src``); it
+is never installed, so none of its CUDA dependencies are needed.
+
+Prints one line per checked build. Exit status: 0 when every hook fits, 1
+when a hook is missing or changed, 3 when the wheel could not be fetched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from vllm_kv_cache_limit import compat
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = REPO / ".cache"
+EXIT_DRIFT = 1
+EXIT_FETCH_FAILED = 3
+_WHEEL_VERSION = re.compile(r"^vllm-(?P<version>[^-]+)-")
+
+
+def wheel_version(wheel: Path) -> str:
+    """The version in a vLLM wheel's file name."""
+    match = _WHEEL_VERSION.match(wheel.name)
+    if match is None:
+        raise ValueError(f"{wheel.name!r} is not a vllm wheel file name (vllm-VERSION-....whl)")
+    return match["version"]
+
+
+def cached_wheel(version: str | None, wheels: Path) -> Path | None:
+    """A vLLM wheel in ``wheels``: of ``version``, or else the newest
+    supported one (None when there is none)."""
+    from packaging.version import Version
+
+    candidates = []
+    for wheel in wheels.glob("vllm-*.whl"):
+        found = wheel_version(wheel)
+        if (version is None and compat.version_supported(found)) or found == version:
+            candidates.append((Version(found), wheel))
+    return max(candidates)[1] if candidates else None
+
+
+def download_wheel(version: str | None, wheels: Path) -> Path:
+    """The CUDA vLLM wheel of ``version`` (None: the newest in
+    ``compat.SUPPORTED_VLLM``), from ``wheels`` or fetched there with pip."""
+    if version is not None and (hit := cached_wheel(version, wheels)) is not None:
+        return hit
+    requirement = f"vllm=={version}" if version else f"vllm{compat.SUPPORTED_VLLM[0]}"
+    wheels.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--platform", "manylinux_2_28_x86_64", "--python-version", "3.11",
+        "--dest", str(wheels), requirement,
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        if version is None and (hit := cached_wheel(None, wheels)) is not None:
+            print(f"note: pip download {requirement!r} failed; using the cached {hit.name}")
+            return hit
+        raise FetchError(
+            f"pip download {requirement!r} failed (exit {proc.returncode}); the package "
+            f"registry may be unreachable:\n{(proc.stdout + proc.stderr)[-2000:]}"
+        )
+    saved = re.findall(r"(?:Saved|File was already downloaded) (\S+\.whl)", proc.stdout)
+    wheel = Path(saved[-1]) if saved else cached_wheel(version, wheels)
+    if wheel is None or not wheel.is_file():
+        raise FetchError(f"pip download {requirement!r} left no wheel in {wheels}")
+    return wheel
+
+
+class FetchError(RuntimeError):
+    """The wheel could not be fetched."""
+
+
+def extract_sources(wheel: Path, dest_root: Path) -> Path:
+    """Extract only ``vllm/**/*.py`` from ``wheel`` to ``dest_root/<wheel
+    name>`` (once) and return that folder, which holds ``vllm/``."""
+    dest = dest_root / wheel.stem
+    marker = dest / ".complete"
+    if marker.exists():
+        return dest
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.infolist():
+            name = member.filename
+            parts = Path(name).parts
+            if not (name.startswith("vllm/") and name.endswith(".py")):
+                continue
+            if Path(name).is_absolute() or ".." in parts:
+                raise ValueError(f"unsafe path {name!r} in {wheel.name}")
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(archive.read(member))
+    marker.write_text(wheel.name)
+    return dest
+
+
+def source_version(root: Path) -> str:
+    """The version written in a source tree's ``vllm/_version.py``."""
+    text = (root / "vllm" / "_version.py")
+    if text.is_file():
+        match = re.search(r"""(?:__version__|version)\s*(?::\s*str)?\s*=\s*['"]([^'"]+)['"]""", text.read_text())
+        if match:
+            return match[1]
+    return "unknown"
+
+
+def report(label: str, version: str, problems: list[str]) -> bool:
+    """Print one line for a checked build; True when every hook fits."""
+    supported = compat.version_supported(version)
+    note = "" if supported else f" (outside the supported range {compat.SUPPORTED_VLLM[0]})"
+    if problems:
+        print(f"FAIL {label} vLLM {version}{note}: {len(problems)} of {len(compat.HOOKS)} hooks do not fit:")
+        for problem in problems:
+            print(f"  - {problem}")
+        return False
+    print(f"OK   {label} vLLM {version}{note}: all {len(compat.HOOKS)} hooks fit")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--source", type=Path, metavar="DIR", help="vLLM source tree: the folder that holds vllm/")
+    target.add_argument("--wheel", type=Path, metavar="PATH", help="a vLLM wheel file, read without installing it")
+    target.add_argument(
+        "--download", metavar="VERSION", nargs="?", const="", default="",
+        help="fetch the vllm==VERSION CUDA wheel into .cache/wheels (default: the newest supported)",
+    )
+    parser.add_argument("--no-installed", action="store_true", help="do not check the installed vLLM")
+    parser.add_argument("--cache-dir", type=Path, default=CACHE, help="where wheels and sources are kept (default: .cache)")
+    args = parser.parse_args(argv)
+
+    ok = True
+    if not args.no_installed:
+        ok &= report("installed", compat.installed_vllm_version(), compat.check_hooks())
+
+    if args.source is not None:
+        root = args.source
+        if not (root / "vllm").is_dir():
+            parser.error(f"--source {str(root)!r} holds no vllm/ folder")
+        label = f"source {root}"
+    else:
+        try:
+            wheel = args.wheel or download_wheel(args.download or None, args.cache_dir / "wheels")
+        except FetchError as exc:
+            print(f"ERROR {exc}", file=sys.stderr)
+            return EXIT_FETCH_FAILED
+        if not wheel.is_file():
+            parser.error(f"--wheel {str(wheel)!r} does not exist")
+        root = extract_sources(wheel, args.cache_dir / "vllm-src")
+        label = f"wheel {wheel.name}"
+    version = source_version(root)
+    if version == "unknown" and args.source is None:
+        version = wheel_version(wheel)
+    ok &= report(label, version, compat.check_hooks_in_source(root))
+    return 0 if ok else EXIT_DRIFT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
