@@ -160,3 +160,28 @@ def test_cuda_fail_fast_uses_nvml_total(mocker) -> None:
     assert _hooks._device_total_memory() == (80 * GiB, "cuda:0")
     platform.get_device_total_memory.assert_called_once_with(0)
     cuda_init.assert_not_called()
+
+
+def _entry_point_parsers():
+    """Every vLLM entry point that builds engine arguments, as vLLM builds its parser."""
+    from vllm.benchmarks import latency, throughput
+    from vllm.entrypoints.launchers import cli_args, run_batch
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    def build(add):
+        parser = FlexibleArgumentParser(exit_on_error=False)
+        return add(parser) or parser
+
+    return {
+        "serve / api_server": build(cli_args.make_arg_parser),
+        "run-batch": build(run_batch.make_arg_parser),
+        "bench throughput": build(throughput.add_cli_args),
+        "bench latency": build(latency.add_cli_args),
+    }
+
+
+def test_every_entry_point_accepts_the_flag(vllm_modules) -> None:
+    for name, parser in _entry_point_parsers().items():
+        actions = [a for a in parser._actions if "--kv-cache-max-memory" in a.option_strings]
+        assert len(actions) == 1, name
+        assert actions[0].type("1.5GiB") == int(1.5 * GiB), name

@@ -1,0 +1,54 @@
+"""`from vllm import LLM; LLM(model, kv_cache_max_memory=...)` in a plain
+script that never imports this package: the start-up hook makes it work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.e2e.conftest import engine_env
+
+SCRIPT = """
+import sys
+
+def kv_bytes(worker):
+    import torch
+    storages = {}
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, (list, tuple)):
+            for y in x: walk(y)
+        elif isinstance(x, dict):
+            for y in x.values(): walk(y)
+    walk(worker.model_runner.kv_caches)
+    return sum(storages.values())
+
+if __name__ == "__main__":
+    from vllm import LLM
+    llm = LLM(sys.argv[1], kv_cache_max_memory="16M", max_model_len=512,
+              gpu_memory_utilization=0.25, enforce_eager=True)
+    print("KV_BYTES", llm.collective_rpc(kv_bytes)[0])
+"""
+
+
+def run_script(tiny_model: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, tiny_model],
+        # cwd "/": the package is found in site-packages only, as for a user.
+        capture_output=True, text=True, timeout=300, env=engine_env(**env), cwd="/",
+    )
+
+
+def test_llm_keyword_works_without_importing_the_plugin(tiny_model: str) -> None:
+    proc = run_script(tiny_model)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    kv = [l for l in proc.stdout.splitlines() if l.startswith("KV_BYTES")]
+    assert kv == [f"KV_BYTES {16 * 2**20}"]
+
+
+def test_excluded_plugin_leaves_vllm_as_without_it(tiny_model: str) -> None:
+    # With VLLM_PLUGINS naming other plugins only, vLLM does not know the keyword.
+    proc = run_script(tiny_model, VLLM_PLUGINS="some_other_plugin")
+    assert proc.returncode != 0
+    assert "unexpected keyword argument 'kv_cache_max_memory'" in proc.stderr
