@@ -39,6 +39,9 @@ class KVCacheMaxMemoryError(ValueError):
 
 
 def _gib(nbytes: int) -> str:
+    # GiB with two decimals as vLLM writes memory, unless that would read 0.00.
+    if nbytes < 10 * 2**20:
+        return format_size(nbytes, "up")
     return f"{format_gib(nbytes)} GiB"
 
 
