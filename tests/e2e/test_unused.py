@@ -1,0 +1,115 @@
+"""Installed but unused, the plugin changes nothing: same KV cache, same
+greedy output, same log warnings and same CLI help (apart from the new flag)
+as with the plugin excluded through ``VLLM_PLUGINS`` (which also keeps its
+start-up hook off)."""
+
+from __future__ import annotations
+
+import difflib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.conftest import REPO, engine_env
+from tests.e2e.test_version_drift import KV_SIZE, expected_blocks
+from vllm_kv_cache_limit.policy import FLAG
+
+WITHOUT_PLUGIN = {"VLLM_PLUGINS": ""}
+PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4"]
+# "(EngineCore pid=123) WARNING 11-30 03:38:00 [file.py:12] message"
+_LOG_PREFIX = re.compile(r"^(?:\((?P<proc>[A-Za-z_]+)[^)]*\) )?(?P<level>WARNING|ERROR) \S+ \S+ \[[^\]]+\] (?P<msg>.*)$")
+
+
+def warnings_of(log: str) -> list[str]:
+    """vLLM's WARNING and ERROR messages without pids, times and line
+    numbers. Shutdown messages ("force killing remaining process ...") are
+    left out: whether vLLM needs to force-kill at exit varies run to run."""
+    found = []
+    for line in log.splitlines():
+        match = _LOG_PREFIX.match(line)
+        if match and not match["msg"].startswith("[shutdown]"):
+            found.append(f"{match['proc'] or ''} {match['level']} {match['msg']}")
+    return sorted(found)
+
+
+def test_plugin_is_really_excluded_by_vllm_plugins() -> None:
+    """The comparison below means something only if ``VLLM_PLUGINS=""``
+    keeps every hook off, the start-up hook included."""
+    code = (
+        "import sys; from vllm.engine.arg_utils import EngineArgs; "
+        "print('field', 'kv_cache_max_memory' in EngineArgs.__dataclass_fields__); "
+        "print('hooked', any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path))"
+    )
+    outputs = {}
+    for name, extra in (("on", {}), ("off", WITHOUT_PLUGIN)):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=engine_env(**extra), cwd=REPO, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs[name] = proc.stdout.split("\n")
+    assert outputs["on"][:2] == ["field True", "hooked True"]
+    assert outputs["off"][:2] == ["field False", "hooked False"]
+
+
+def test_same_kv_cache_and_greedy_output_without_the_flag(probe, tiny_model: str) -> None:
+    spec = {"kv_cache_memory_bytes": KV_SIZE, "prompts": PROMPTS, "max_tokens": 16}
+    with_plugin, log_on = probe(**spec)
+    without, log_off = probe(env=WITHOUT_PLUGIN, **spec)
+    assert with_plugin["ok"], log_on[-4000:]
+    assert without["ok"], log_off[-4000:]
+
+    for key in ("num_gpu_blocks", "block_size", "kv_cache_bytes", "max_model_len", "texts"):
+        assert with_plugin[key] == without[key], key
+    # And both are what the explicit size gives, so the runs were comparable.
+    assert without["num_gpu_blocks"] == expected_blocks(tiny_model, KV_SIZE, without["block_size"])
+    assert len(with_plugin["texts"]) == len(PROMPTS) and any(t.strip() for t in with_plugin["texts"])
+
+    assert with_plugin["kv_cache_max_memory"] is None
+    assert "KV cache max memory" not in log_on
+    assert "kv-cache-limit" not in log_on.lower().replace("vllm_kv_cache_limit.probe", "")
+    assert warnings_of(log_on) == warnings_of(log_off)
+
+
+def _help(extra_env: dict[str, str]) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help=all"],
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+        env=engine_env(COLUMNS="100", **extra_env),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def _split_usage(text: str) -> tuple[list[str], list[str]]:
+    """The usage tokens (wrapping ignored) and the remaining lines."""
+    lines = text.splitlines()
+    end = lines.index("") if "" in lines else len(lines)
+    return " ".join(lines[:end]).split(), lines[end:]
+
+
+def _without_flag_entry(lines: list[str]) -> list[str]:
+    """``lines`` less the help entry of the flag: its option line and the
+    deeper-indented lines that follow it."""
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(FLAG))
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    end = start + 1
+    while end < len(lines) and lines[end].strip() and len(lines[end]) - len(lines[end].lstrip()) > indent:
+        end += 1
+    assert end - start > 1, "the flag has no help text"
+    return lines[:start] + lines[end:]
+
+
+def test_cli_help_of_every_other_option_is_unchanged() -> None:
+    with_plugin, without = _help({}), _help(WITHOUT_PLUGIN)
+    assert FLAG not in without
+    usage_on, rest_on = _split_usage(with_plugin)
+    usage_off, rest_off = _split_usage(without)
+    flag_usage = ["[" + FLAG, "SIZE]"]
+    at = usage_on.index(flag_usage[0])
+    assert usage_on[at : at + 2] == flag_usage
+    assert usage_on[:at] + usage_on[at + 2 :] == usage_off
+    rest_on = _without_flag_entry(rest_on)
+    assert FLAG not in "\n".join(rest_on)
+    diff = "\n".join(difflib.unified_diff(rest_off, rest_on, "without plugin", "with plugin", lineterm=""))
+    assert rest_on == rest_off, diff[:4000]
