@@ -27,6 +27,16 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from vllm_kv_cache_limit import _bootstrap
+    from vllm_kv_cache_limit import _bootstrap, compat
 
+    version = compat.require_vllm()
+    if not compat.version_supported(version):
+        import logging
+
+        logging.getLogger("vllm.plugins.kv_cache_limit").warning(
+            "vllm-kv-cache-limit supports vLLM %s; installed: %s. Its hooks are "
+            "checked when --kv-cache-max-memory is used.",
+            compat.SUPPORTED_VLLM[1],
+            version,
+        )
     _bootstrap.install()

@@ -78,8 +78,22 @@ def installed_vllm_version() -> str:
         import vllm
 
         return str(vllm.__version__)
-    except Exception:
+    except ImportError:
         return "not installed"
+
+
+def require_vllm() -> str:
+    """The installed vLLM version; ``ImportError`` saying how to install one
+    when there is none. vLLM is an extra (``[gpu]`` or ``[cpu]``) so that the
+    plugin never pulls a second vLLM build next to an installed one."""
+    ver = installed_vllm_version()
+    if ver == "not installed":
+        raise ImportError(
+            "vllm-kv-cache-limit needs vLLM, which is not installed. Install "
+            "'vllm-kv-cache-limit[gpu]' (CUDA build) or 'vllm-kv-cache-limit[cpu]' "
+            f"(CPU build); supported vLLM versions: {SUPPORTED_VLLM[1]}."
+        )
+    return ver
 
 
 def version_supported(ver: str) -> bool:

