@@ -58,6 +58,9 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "query_pre_attn_scalar": 64,
             "final_logit_softcapping": None,
             "attn_logit_softcapping": None,
+            # vLLM's Gemma2ForCausalLM always ties lm_head to the embeddings
+            # and has no lm_head weight to load.
+            "tie_word_embeddings": True,
         },
     ),
 }

@@ -1,0 +1,82 @@
+"""``vllm-kv-plan`` against the real engine: for each tiny architecture, a
+vLLM CPU engine started with ``kv_cache_max_memory`` set to the planner's
+suggestion allocates exactly the planner's blocks, at the planner's bytes per
+token. One engine per architecture."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import BASE_ENGINE_ARGS, engine_env, run_probe
+from vllm_kv_cache_limit import plan as kv_plan
+from vllm_kv_cache_limit.sizes import parse_size
+from vllm_kv_cache_limit.tiny_model import ARCHITECTURES, build_tiny_model
+
+# Long enough for Gemma 2's 128-token sliding window to hold fewer blocks than
+# its full-attention layers: with 256 batched tokens a sliding layer keeps
+# cdiv(127 + 256 * batches, 128) + 1 blocks per request, a full one 8.
+MAX_MODEL_LEN = 1024
+MAX_NUM_BATCHED_TOKENS = 256
+CONCURRENCY = 3
+
+CPU_ENGINE_CANNOT_RUN: dict[str, str] = {}
+"""Architectures of tiny_model.ARCHITECTURES that vLLM's CPU build cannot
+run, with the reason; each is skipped with that reason."""
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+def _plan(model: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    capsys.readouterr()
+    status = kv_plan.main(
+        [
+            model,
+            "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+            "--concurrency", str(CONCURRENCY),
+            "--json",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_engine_allocates_the_planned_blocks(
+    arch: str, tiny_models_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if arch in CPU_ENGINE_CANNOT_RUN:
+        pytest.skip(CPU_ENGINE_CANNOT_RUN[arch])
+    model = str(build_tiny_model(tiny_models_dir / arch, arch))
+    plan = _plan(model, capsys)
+
+    assert plan["exact"] is True, plan["estimate"]
+    assert plan["required_blocks"] == CONCURRENCY * plan["blocks_per_request"] + 1
+    assert plan["suggested_num_blocks"] >= plan["required_blocks"]
+    cap = plan["suggested_kv_cache_max_memory"]
+    assert parse_size(cap) >= plan["required_bytes"]
+
+    spec = {
+        "model": model,
+        **BASE_ENGINE_ARGS,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+        "kv_cache_max_memory": cap,
+    }
+    result, log = run_probe(spec, engine_env())
+    assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{log[-3000:]}"
+
+    assert result["num_gpu_blocks"] == plan["suggested_num_blocks"]
+    assert result["block_size"] == plan["block_size"]
+    (kv_bytes,) = result["kv_cache_bytes"]  # one worker
+    assert kv_bytes == plan["suggested_num_blocks"] * plan["bytes_per_block"]
+    assert kv_bytes / (result["num_gpu_blocks"] * result["block_size"]) == plan["bytes_per_token"]
+    assert kv_bytes <= parse_size(cap)
