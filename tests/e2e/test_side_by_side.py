@@ -1,0 +1,195 @@
+"""Engines side by side on one machine, each with its own cap: two OpenAI
+API servers serving concurrent completions, and tensor parallel 2 on the
+CPU backend, where each worker keeps to the cap."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.e2e.conftest import ENGINE_TIMEOUT_S, REPO, engine_env
+
+MiB = 2**20
+CAPS = {"small": 16 * MiB, "large": 32 * MiB}
+REQUESTS_PER_SERVER = 4
+PROMPTS = ["Hello, my name is", "The capital of France is", "Once upon a time", "1 2 3 4 5"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def kv_bytes_per_block(model: str, block_size: int, tensor_parallel_size: int = 1) -> int:
+    """KV cache bytes of one block in one worker: K and V, every layer, the
+    worker's share of the KV heads, bfloat16 (the CPU backend's KV dtype)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    heads = config["num_key_value_heads"] // tensor_parallel_size
+    return 2 * config["num_hidden_layers"] * heads * head_dim * 2 * block_size
+
+
+def allowed_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def metric_labels(metrics: str, name: str) -> dict[str, str]:
+    line = next(l for l in metrics.splitlines() if l.startswith(name + "{"))
+    return dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', line))
+
+
+def metric_sum(metrics: str, name: str) -> float:
+    return sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith(name + "{") or l.startswith(name + " "))
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+    """Both servers, started at the same time; each with its own cap and, when
+    the machine allows, its own CPU cores."""
+    cpus = allowed_cpus()
+    procs = {}
+    folder = tmp_path_factory.mktemp("side-by-side")
+    for i, (name, cap) in enumerate(CAPS.items()):
+        port = free_port()
+        env = engine_env()
+        if len(cpus) >= len(CAPS):
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i])
+        log_path = folder / f"{name}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [
+                    sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                    "--model", tiny_model, "--served-model-name", "tiny",
+                    "--host", "127.0.0.1", "--port", str(port),
+                    "--max-model-len", "512", "--gpu-memory-utilization", "0.2",
+                    "--enforce-eager", "--kv-cache-max-memory", f"{cap // MiB}M",
+                ],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
+            )
+        procs[name] = (proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        pending = set(procs)
+        while pending and time.monotonic() < deadline:
+            for name in sorted(pending):
+                proc, base, log_path = procs[name]
+                if proc.poll() is not None:
+                    pytest.fail(f"server {name} exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+                try:
+                    if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                        pending.discard(name)
+                except requests.ConnectionError:
+                    pass
+            time.sleep(1)
+        if pending:
+            pytest.fail(f"servers not ready: {sorted(pending)}")
+        yield {name: (base, log_path) for name, (_, base, log_path) in procs.items()}
+    finally:
+        for proc, _, _ in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc, _, _ in procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def complete(base: str, prompt: str) -> dict:
+    reply = requests.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True},
+        timeout=300,
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_two_servers_serve_concurrent_completions(servers) -> None:
+    jobs = [(base, prompt) for base, _ in servers.values() for prompt in PROMPTS[:REQUESTS_PER_SERVER]]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        replies = list(pool.map(lambda job: complete(*job), jobs))
+    assert len(replies) == len(CAPS) * REQUESTS_PER_SERVER
+    for reply in replies:
+        assert reply["usage"]["completion_tokens"] == 16, reply
+        assert isinstance(reply["choices"][0]["text"], str)
+    # Each server counted its own requests.
+    for name, (base, _) in servers.items():
+        metrics = requests.get(f"{base}/metrics", timeout=30).text
+        assert metric_sum(metrics, "vllm:request_success_total") >= REQUESTS_PER_SERVER, name
+
+
+@pytest.mark.parametrize("name", sorted(CAPS))
+def test_each_server_allocates_no_more_than_its_own_cap(servers, tiny_model: str, name: str) -> None:
+    base, log_path = servers[name]
+    cap = CAPS[name]
+    info = metric_labels(requests.get(f"{base}/metrics", timeout=30).text, "vllm:cache_config_info")
+    assert int(info["kv_cache_max_memory"]) == cap
+    blocks, block_size = int(info["num_gpu_blocks"]), int(info["block_size"])
+    per_block = kv_bytes_per_block(tiny_model, block_size)
+    # The whole blocks that fit in this server's cap: no more, and no fewer.
+    assert blocks * per_block <= cap < (blocks + 1) * per_block
+
+    log = log_path.read_text()
+    line = re.search(r"KV cache max memory: \S+ = (\d+) bytes.*?(\d+) blocks, (\d+) tokens", log)
+    assert line, log[-3000:]
+    assert int(line[1]) == cap and int(line[2]) == blocks and int(line[3]) == blocks * block_size
+    # vLLM's own account of the KV cache it made.
+    tokens = re.search(r"KV cache size: ([\d,]+) tokens", log)
+    assert tokens and int(tokens[1].replace(",", "")) * per_block // block_size <= cap
+
+
+def test_servers_have_different_block_counts(servers) -> None:
+    counts = {
+        name: int(metric_labels(requests.get(f"{base}/metrics", timeout=30).text, "vllm:cache_config_info")["num_gpu_blocks"])
+        for name, (base, _) in servers.items()
+    }
+    assert counts["large"] == 2 * counts["small"], counts
+
+
+def test_tensor_parallel_2_each_worker_respects_the_cap(probe, tiny_model: str) -> None:
+    """Tensor parallel 2 on the CPU backend: the cap is per worker, measured
+    in each worker from its KV cache tensors."""
+    cpus = allowed_cpus()
+    if len(cpus) < 2:
+        pytest.skip(
+            f"vLLM's CPU backend binds each tensor-parallel worker to its own CPU cores "
+            f"(VLLM_CPU_OMP_THREADS_BIND); this process may use only {len(cpus)} core(s): {cpus}"
+        )
+    half = len(cpus) // 2
+    # With one NUMA node, vLLM's automatic binding refuses two local workers
+    # ("Not enough allowed NUMA nodes"); bind them explicitly, as it suggests.
+    bind = ",".join(map(str, cpus[:half])) + "|" + ",".join(map(str, cpus[half:]))
+    cap = CAPS["small"]
+    result, log = probe(
+        env={"VLLM_CPU_OMP_THREADS_BIND": bind},
+        tensor_parallel_size=2,
+        gpu_memory_utilization=0.2,
+        kv_cache_max_memory=f"{cap // MiB}M",
+    )
+    if not result["ok"]:
+        plugin_frames = [l for l in log.splitlines() if 'File "' in l and "vllm_kv_cache_limit" in l]
+        if result.get("error_type") != "KVCacheMaxMemoryError" and not plugin_frames:
+            causes = [l for l in log.splitlines() if re.search(r"\b\w*(Error|Exception):", l)]
+            pytest.skip(f"vLLM's CPU build cannot run tensor parallel 2 here: {(causes or [result.get('error')])[0].strip()}")
+        pytest.fail(f"{result.get('error_type')}: {result.get('error')}\n{log[-4000:]}")
+    per_block = kv_bytes_per_block(tiny_model, result["block_size"], tensor_parallel_size=2)
+    assert len(result["kv_cache_bytes"]) == 2
+    for measured in result["kv_cache_bytes"]:
+        assert measured <= cap
+        assert measured == result["num_gpu_blocks"] * per_block
+    assert cap - per_block < result["num_gpu_blocks"] * per_block
+    assert result["texts"] and result["texts"][0]
