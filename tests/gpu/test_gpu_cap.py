@@ -1,0 +1,128 @@
+"""The cap on a real GPU (``cuda:0``), measured in the worker with
+``torch.cuda``: it holds, a cap above the free memory fails before the KV
+cache is allocated, and two capped engines share one GPU."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+MiB = 2**20
+GiB = 2**30
+NON_KV_SLACK = 2 * GiB
+"""What the worker's torch allocator may hold besides weights and KV cache
+(input, sampler and workspace buffers). The budget vLLM would give the KV
+cache without the cap is tens of GiB on a large GPU, so the check still
+tells a capped cache from an uncapped one."""
+
+CAP = 512 * MiB
+INFO_LINE = re.compile(r"KV cache max memory: \S+ = (\d+) bytes.*?(\d+) blocks")
+
+
+def check_worker(worker: dict, cap: int) -> None:
+    assert worker["device"] == "cuda:0"
+    assert worker["kv_devices"] == ["cuda:0"], worker
+    assert 0 < worker["kv_cache_bytes"] <= cap, worker
+    # The KV cache lives in torch's allocator, and the allocator holds little
+    # besides it and the weights.
+    assert worker["kv_cache_bytes"] <= worker["memory_allocated"]
+    assert worker["memory_allocated"] <= cap + worker["weights_bytes"] + NON_KV_SLACK, worker
+
+
+def summary(record_property, text: str) -> None:
+    """One line for scripts/gpu-check.sh's report."""
+    record_property("summary", text)
+
+
+def test_cap_holds_on_cuda0(start_engine, record_property) -> None:
+    engine = start_engine("capped", gpu_memory_utilization=0.3, kv_cache_max_memory=f"{CAP // MiB}M")
+    engine.proc.wait(timeout=600)
+    result = engine.wait_result()
+    assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{engine.log[-4000:]}"
+    assert result["kv_cache_max_memory"] == CAP
+    (worker,) = result["workers"]
+    check_worker(worker, CAP)
+    # Whole blocks: no room for one more block under the cap.
+    per_block = worker["kv_cache_bytes"] // result["num_gpu_blocks"]
+    assert worker["kv_cache_bytes"] == result["num_gpu_blocks"] * per_block
+    assert CAP - worker["kv_cache_bytes"] < per_block
+    # The cap, not vLLM's own budget (30% of the GPU), decided the size.
+    assert 0.3 * worker["total"] > 10 * CAP
+    line = INFO_LINE.search(engine.log)
+    assert line and int(line[1]) == CAP and int(line[2]) == result["num_gpu_blocks"], engine.log[-3000:]
+    assert result["texts"] and all(isinstance(t, str) for t in result["texts"])
+    summary(
+        record_property,
+        f"cap {CAP // MiB} MiB holds on cuda:0: KV cache {worker['kv_cache_bytes'] / MiB:.1f} MiB "
+        f"({result['num_gpu_blocks']} blocks), torch.cuda.memory_allocated "
+        f"{worker['memory_allocated'] / MiB:.1f} MiB (weights {worker['weights_bytes'] / MiB:.1f} MiB)",
+    )
+
+
+def test_cap_above_free_memory_fails_before_kv_allocation(start_engine, record_property) -> None:
+    """Memory held by another process leaves less free than the cap: the
+    worker refuses after loading the weights, before vLLM profiles or
+    allocates the KV cache, and the memory comes back."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(0)
+    keep_free = int(0.45 * total)  # room for gpu_memory_utilization=0.3
+    if free < keep_free + GiB:
+        pytest.fail(f"cuda:0 has only {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB; the check needs an idle GPU")
+    blocker = torch.empty(free - keep_free, dtype=torch.uint8, device="cuda:0")
+    try:
+        free_before, _ = torch.cuda.mem_get_info(0)
+        cap = int(0.6 * total)  # below the total (passes the first check), above the free memory
+        assert free_before * 1.01 < cap < total
+        engine = start_engine("above-free", gpu_memory_utilization=0.3, kv_cache_max_memory=str(cap))
+        engine.proc.wait(timeout=600)
+        result = engine.wait_result()
+        free_after, _ = torch.cuda.mem_get_info(0)
+    finally:
+        del blocker
+        torch.cuda.empty_cache()
+    assert not result["ok"], "the engine started although the cap is above the free memory"
+    assert result["error_type"] == "KVCacheMaxMemoryError", result
+    assert "is larger than the free memory of the cuda:0" in result["error"], result["error"]
+    log = engine.log
+    # Refused before vLLM's own memory profiling and KV cache sizing.
+    assert "Available KV cache memory" not in log
+    assert "KV cache max memory:" not in log
+    # Nothing left allocated by the failed engine's processes.
+    assert free_after >= free_before - 256 * MiB, (free_before, free_after)
+    summary(
+        record_property,
+        f"cap {cap / GiB:.1f} GiB above {free_before / GiB:.1f} GiB free fails before KV allocation: "
+        f"{result['error'][:120]}",
+    )
+
+
+def test_two_capped_engines_share_one_gpu(start_engine, record_property) -> None:
+    """Two engines on cuda:0 at the same time, each within its own cap; both
+    generate. The second starts once the first is up, as vLLM's memory
+    profiling expects the other processes on the GPU to hold still."""
+    caps = {"a": 256 * MiB, "b": 512 * MiB}
+    first = start_engine("a", hold=True, gpu_memory_utilization=0.1, kv_cache_max_memory=f"{caps['a'] // MiB}M")
+    ready = {"a": first.wait_result()}
+    assert ready["a"].get("ready"), f"{ready['a']}\n{first.log[-4000:]}"
+    second = start_engine("b", hold=True, gpu_memory_utilization=0.1, kv_cache_max_memory=f"{caps['b'] // MiB}M")
+    ready["b"] = second.wait_result()
+    assert ready["b"].get("ready"), f"{ready['b']}\n{second.log[-4000:]}"
+    # Both are up now: each keeps to its own cap.
+    for name, result in ready.items():
+        (worker,) = result["workers"]
+        check_worker(worker, caps[name])
+    assert ready["a"]["workers"][0]["pid"] != ready["b"]["workers"][0]["pid"]
+    done = {"a": first.finish(), "b": second.finish()}
+    for name, result in done.items():
+        assert result["ok"], f"{name}: {result.get('error')}"
+        assert result["texts"]
+    summary(
+        record_property,
+        "two engines share cuda:0: "
+        + ", ".join(
+            f"{name} cap {caps[name] // MiB} MiB -> KV {ready[name]['workers'][0]['kv_cache_bytes'] / MiB:.1f} MiB"
+            for name in caps
+        ),
+    )
