@@ -53,8 +53,8 @@ __all__ = [
     "load_model_kv_cache",
     "main",
     "make_plan",
-    "required_blocks",
     "least_bytes_for",
+    "required_blocks",
     "suggest_cap",
 ]
 
@@ -220,6 +220,8 @@ class ModelKVCache:
     block_size: int
     bytes_per_block: int
     blocks_per_request: int
+    num_groups: int = 1
+    """vLLM's KV cache groups: a request takes blocks in each."""
     layers: list[dict[str, Any]] = field(default_factory=list)
     blocks_for: Callable[[int], int] = field(default=lambda nbytes: 0, repr=False)
     """Blocks vLLM gives one device for a KV cache budget of ``nbytes``."""
@@ -266,7 +268,8 @@ def _check_model_source(model: str) -> None:
         return
     if path.exists():
         raise PlanError(f"model {model!r} is a file, not a model folder; pass the folder that holds config.json")
-    if not _REPO_ID.match(model) or model.startswith((".", "~")) or model.count("/") > 1:
+    looks_local = Path(model.split("/")[0]).expanduser().is_dir() and "/" in model
+    if looks_local or not _REPO_ID.match(model) or model.startswith((".", "~")) or model.count("/") > 1:
         raise PlanError(f"model folder {model!r} does not exist")
     from huggingface_hub import try_to_load_from_cache
 
@@ -360,12 +363,10 @@ def _blocks_per_request(vllm_config: Any, worker_specs: list[dict[str, Any]], bl
     while not _fits_one_request(vllm_config, worker_specs, high * block_bytes):
         low, high = high, high * 2
         if high > _PROBE_BYTES // block_bytes:
-            configs_error = None
-            try:
-                _kv_cache_configs(vllm_config, worker_specs, _PROBE_BYTES)
-            except ValueError as exc:
-                configs_error = _first_line(exc)
-            raise PlanError(f"vLLM cannot plan a KV cache for this model: {configs_error}")
+            raise PlanError(
+                f"vLLM accepts no KV cache size up to {format_size(_PROBE_BYTES)} for one request "
+                f"of {vllm_config.model_config.max_model_len} tokens"
+            )
     while high - low > 1:
         mid = (low + high) // 2
         if _fits_one_request(vllm_config, worker_specs, mid * block_bytes):
@@ -393,7 +394,6 @@ def _attention_specs(vllm_config: Any, recipe: _Recipe) -> list[dict[str, Any]]:
     """Per-worker KV cache specs: vLLM ``Attention`` layers built with the
     model's per-device heads, head size and sliding windows, asked for their
     spec as the model runner asks them."""
-    import torch  # noqa: F401
     from vllm.config import set_current_vllm_config
     from vllm.distributed.utils import get_pp_indices
     from vllm.model_executor.layers.attention.attention import Attention
@@ -566,7 +566,7 @@ def load_model_kv_cache(args: argparse.Namespace) -> ModelKVCache:
     register_all_kvcache_specs(vllm_config)
     try:
         configs = _kv_cache_configs(vllm_config, worker_specs, _PROBE_BYTES)
-    except ValueError as exc:
+    except Exception as exc:
         raise PlanError(f"vLLM cannot plan a KV cache for {architecture}: {_first_line(exc)}") from exc
     # Every worker gets the same number of blocks; the one with the largest
     # block (the largest pipeline stage) is the one a cap binds.
@@ -597,6 +597,7 @@ def load_model_kv_cache(args: argparse.Namespace) -> ModelKVCache:
         block_size=block_size,
         bytes_per_block=block_bytes,
         blocks_per_request=per_request,
+        num_groups=len(configs[0].kv_cache_groups),
         layers=_describe_layers(configs, parallel_config.tensor_parallel_size),
         blocks_for=blocks_for,
     )
@@ -639,6 +640,7 @@ class KVCachePlan:
             "dtype": kv.dtype,
             "kv_cache_dtype": kv.kv_cache_dtype,
             "layers": kv.layers,
+            "kv_cache_groups": kv.num_groups,
             "block_size": kv.block_size,
             "bytes_per_token": bytes_per_token(kv.bytes_per_block, kv.block_size),
             "bytes_per_block": kv.bytes_per_block,
@@ -725,7 +727,11 @@ def format_human(plan: KVCachePlan) -> str:
         ("block size", f"{kv.block_size} tokens"),
         ("KV cache per token", f"{data['bytes_per_token']} B"),
         ("KV cache per block", _size(kv.bytes_per_block)),
-        ("blocks per request", f"{kv.blocks_per_request} (max-model-len {kv.max_model_len})"),
+        (
+            "blocks per request",
+            f"{kv.blocks_per_request} (max-model-len {kv.max_model_len}"
+            + (f", over {kv.num_groups} KV cache groups)" if kv.num_groups > 1 else ")"),
+        ),
         ("memory per request", _size(kv.blocks_per_request * kv.bytes_per_block)),
         (
             "blocks needed",
@@ -896,10 +902,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except Exception as exc:
+        if args.verbose:
+            raise
+        print(
+            f"{PROG}: error: unexpected {type(exc).__name__}: {_first_line(exc)} "
+            f"(--verbose shows the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    print(output)
+    try:
+        print(output, flush=True)
+    except BrokenPipeError:  # e.g. `vllm-kv-plan ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

@@ -170,6 +170,13 @@ def test_missing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert f"model folder {missing!r} does not exist" in err
 
 
+def test_missing_folder_under_an_existing_one(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # "models/tiny-lama" is a mistyped folder, not a model id.
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert "model folder 'models/tiny-lama' does not exist" in _fails(["models/tiny-lama"], capsys)
+
+
 def test_folder_without_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     err = _fails([str(tmp_path)], capsys)
     assert "has no config.json" in err
