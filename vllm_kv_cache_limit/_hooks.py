@@ -50,6 +50,10 @@ process writes its cap error there so that the first process can raise it
 as the final error instead of vLLM's generic "Engine core initialization
 failed"."""
 
+INACTIVE_WARNED_ENV = "VLLM_KV_CACHE_LIMIT_INACTIVE_WARNED"
+"""Set once the "plugin is inactive" warning was logged in this process
+tree."""
+
 _WRAPPED = "__vllm_kv_cache_limit_wrapped__"
 _inactive_warned = False
 
@@ -73,8 +77,11 @@ def _hook_ok(qualname: str) -> bool:
     _, problem = compat.resolve_hook(compat.get_hook(qualname))
     if problem is None:
         return True
-    if not _inactive_warned:
+    if not _inactive_warned and not os.environ.get(INACTIVE_WARNED_ENV):
         _inactive_warned = True
+        # Engine-core and worker processes inherit this and stay quiet: one
+        # warning per launch, from the process the user started.
+        os.environ[INACTIVE_WARNED_ENV] = "1"
         logger.warning(
             "vllm-kv-cache-limit is inactive: %s (installed vLLM %s; supported: %s). "
             "vLLM runs unchanged; %s would fail.",

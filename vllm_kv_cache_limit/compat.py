@@ -139,9 +139,10 @@ def resolve_hook(hook: Hook) -> tuple[object | None, str | None]:
     return None, f"{hook.name} is missing"
 
 
-def check_hooks(hooks: tuple[Hook, ...] = HOOKS) -> list[str]:
-    """Problems with the hooks in the imported vLLM; empty when all fit."""
-    return [problem for hook in hooks if (problem := resolve_hook(hook)[1])]
+def check_hooks(hooks: tuple[Hook, ...] | None = None) -> list[str]:
+    """Problems with the hooks (default: ``HOOKS``) in the imported vLLM;
+    empty when all fit."""
+    return [problem for hook in (HOOKS if hooks is None else hooks) if (problem := resolve_hook(hook)[1])]
 
 
 def _source_params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
@@ -190,11 +191,12 @@ def _source_tree(root: Path, module_name: str, qualname: str, depth: int = 0) ->
     return tree
 
 
-def check_hooks_in_source(root: Path, hooks: tuple[Hook, ...] = HOOKS) -> list[str]:
-    """Problems with the hooks in the vLLM source tree under ``root`` (the
-    folder that holds ``vllm/``), read with ``ast`` and never imported."""
+def check_hooks_in_source(root: Path, hooks: tuple[Hook, ...] | None = None) -> list[str]:
+    """Problems with the hooks (default: ``HOOKS``) in the vLLM source tree
+    under ``root`` (the folder that holds ``vllm/``), read with ``ast`` and
+    never imported."""
     problems = []
-    for hook in hooks:
+    for hook in HOOKS if hooks is None else hooks:
         problem = f"{hook.name} is missing"
         for module_name in hook.modules:
             tree = _source_tree(root, module_name, hook.qualname)
