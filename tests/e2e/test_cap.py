@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 
 MiB = 2**20
 INFO_RE = re.compile(

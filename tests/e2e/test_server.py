@@ -2,67 +2,25 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import requests
 
-from tests.e2e.conftest import REPO, engine_env
+from tests.e2e.conftest import api_servers, engine_env
 
 MiB = 2**20
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", tiny_model, "--served-model-name", "tiny",
-                "--host", "127.0.0.1", "--port", str(port),
-                "--max-model-len", "512", "--gpu-memory-utilization", "0.25",
-                "--enforce-eager", "--kv-cache-max-memory", "16M",
-            ],
-            stdout=log, stderr=subprocess.STDOUT, env=engine_env(), cwd=REPO,
-            start_new_session=True,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail(f"server not ready:\n{log_path.read_text()[-4000:]}")
-        yield base, log_path
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    args = [
+        "--model", tiny_model, "--served-model-name", "tiny",
+        "--max-model-len", "512", "--gpu-memory-utilization", "0.25",
+        "--enforce-eager", "--kv-cache-max-memory", "16M",
+    ]
+    with api_servers({"main": (args, engine_env())}, tmp_path_factory.mktemp("server")) as servers:
+        yield servers["main"]
 
 
 def test_server_answers_a_completion(server) -> None:

@@ -7,29 +7,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import requests
 
-from tests.e2e.conftest import ENGINE_TIMEOUT_S, REPO, engine_env
+from tests.e2e.conftest import api_servers, engine_env
 
 MiB = 2**20
 CAPS = {"small": 16 * MiB, "large": 32 * MiB}
 REQUESTS_PER_SERVER = 4
 PROMPTS = ["Hello, my name is", "The capital of France is", "Once upon a time", "1 2 3 4 5"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def kv_bytes_per_block(model: str, block_size: int, tensor_parallel_size: int = 1) -> int:
@@ -59,53 +48,19 @@ def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
     """Both servers, started at the same time; each with its own cap and, when
     the machine allows, its own CPU cores."""
     cpus = allowed_cpus()
-    procs = {}
-    folder = tmp_path_factory.mktemp("side-by-side")
+    specs = {}
     for i, (name, cap) in enumerate(CAPS.items()):
-        port = free_port()
         env = engine_env()
         if len(cpus) >= len(CAPS):
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i])
-        log_path = folder / f"{name}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                    "--model", tiny_model, "--served-model-name", "tiny",
-                    "--host", "127.0.0.1", "--port", str(port),
-                    "--max-model-len", "512", "--gpu-memory-utilization", "0.2",
-                    "--enforce-eager", "--kv-cache-max-memory", f"{cap // MiB}M",
-                ],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
-            )
-        procs[name] = (proc, f"http://127.0.0.1:{port}", log_path)
-    try:
-        deadline = time.monotonic() + ENGINE_TIMEOUT_S
-        pending = set(procs)
-        while pending and time.monotonic() < deadline:
-            for name in sorted(pending):
-                proc, base, log_path = procs[name]
-                if proc.poll() is not None:
-                    pytest.fail(f"server {name} exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-                try:
-                    if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                        pending.discard(name)
-                except requests.ConnectionError:
-                    pass
-            time.sleep(1)
-        if pending:
-            pytest.fail(f"servers not ready: {sorted(pending)}")
-        yield {name: (base, log_path) for name, (_, base, log_path) in procs.items()}
-    finally:
-        for proc, _, _ in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc, _, _ in procs.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        args = [
+            "--model", tiny_model, "--served-model-name", "tiny",
+            "--max-model-len", "512", "--gpu-memory-utilization", "0.2",
+            "--enforce-eager", "--kv-cache-max-memory", f"{cap // MiB}M",
+        ]
+        specs[name] = (args, env)
+    with api_servers(specs, tmp_path_factory.mktemp("side-by-side")) as running:
+        yield running
 
 
 def complete(base: str, prompt: str) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import textwrap
 import time
@@ -23,7 +22,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.e2e.conftest import BASE_ENGINE_ARGS, ENGINE_TIMEOUT_S, REPO, engine_env
+from tests.e2e.conftest import BASE_ENGINE_ARGS, ENGINE_TIMEOUT_S, REPO, engine_env, free_port
 from tests.e2e.test_version_drift import drift_env
 from vllm_kv_cache_limit import compat
 
@@ -130,12 +129,6 @@ def wait_until_gone(marker: str, seen: dict[int, tuple[float, str]]) -> tuple[li
         if (not marked and not alive) or time.monotonic() > deadline:
             return marked, alive
         time.sleep(0.5)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_watched(command: list[str], env: dict[str, str], log_path: Path) -> tuple[int, dict[int, tuple[float, str]]]:

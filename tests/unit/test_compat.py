@@ -19,7 +19,7 @@ from types import ModuleType
 import pytest
 
 from vllm_kv_cache_limit import compat
-from vllm_kv_cache_limit.compat import Hook
+
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "check_hooks.py"
