@@ -248,7 +248,10 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime()),
-        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+        # Load average when the results were written (the machine is shared).
+        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+        # vLLM's CPU backend takes NUMA node 0 as its "device".
+        "numa_node0_total_gib": _node0_total_gib(),
     }
     from importlib.metadata import PackageNotFoundError, version
 
@@ -264,6 +267,16 @@ def machine_info() -> dict[str, Any]:
     except (OSError, subprocess.CalledProcessError):
         pass
     return info
+
+
+def _node0_total_gib() -> float | None:
+    try:
+        for line in Path("/sys/devices/system/node/node0/meminfo").read_text().splitlines():
+            if "MemTotal:" in line:
+                return round(int(line.split()[-2]) / 2**20, 2)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _cpu_model() -> str:

@@ -214,6 +214,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         result["startup_s"] = time.perf_counter() - llm_started
         result["ready_after_launch_s"] = _since_launch()
         result["startup_cpu_s"] = _tree_cpu()
+        # vLLM modules this (first) process loaded: shows imports that an
+        # engine argument or a hook pulls into the front-end process.
+        result["parent_modules"] = len(sys.modules)
+        result["parent_worker_modules"] = sorted(
+            m for m in sys.modules if m.startswith("vllm.v1.worker."))
         cache_config = llm.llm_engine.vllm_config.cache_config
         result["workers"] = llm.collective_rpc(worker_memory)
         result["kv_cache_bytes"] = [w["kv_cache_bytes"] for w in result["workers"]]

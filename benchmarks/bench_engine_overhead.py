@@ -2,7 +2,7 @@
 the same block count, plugin loaded vs excluded through ``VLLM_PLUGINS``.
 
     .venv/bin/python benchmarks/bench_engine_overhead.py [--device cpu|cuda] [--model PATH]
-        [--blocks 160] [--pairs 2] [--repeats 3] [--with-override-variant]
+        [--blocks 160] [--pairs 2] [--repeats 5] [--with-override-variant]
 
 Variants, alternating in ABBA order:
   cap       plugin active, ``kv_cache_max_memory`` = BLOCKS whole blocks
@@ -13,14 +13,39 @@ Start-up is the time ``LLM(...)`` takes in the process (engine core, worker,
 weights, KV cache); throughput is output tokens/s of a fixed workload that
 needs no preemption at BLOCKS blocks (median of ``--repeats`` timed runs per
 engine after a warm-up). Target: ratios within 0.98-1.02 (noise).
+
+It then times, in fresh interpreters, the work the plugin adds to the first
+process's start-up when a cap is set: ``compat.check_hooks()`` (which
+imports every hooked vLLM module, the worker modules included) and reading
+the device's total memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 
 import _common as c
+
+# Runs in a fresh interpreter that has imported what a user's process has
+# (``from vllm import LLM``): times the work the plugin adds to the first
+# process's start-up when a cap is set (the hook check, the device's total
+# memory) and lists the modules that work imports.
+ATTRIBUTION = r"""
+import json, sys, time
+from vllm import LLM
+from vllm_kv_cache_limit import _hooks, compat
+before = set(sys.modules)
+t0 = time.perf_counter(); problems = compat.check_hooks(); first = time.perf_counter() - t0
+added = sorted(set(sys.modules) - before)
+t0 = time.perf_counter(); compat.check_hooks(); again = time.perf_counter() - t0
+t0 = time.perf_counter(); _hooks._device_total_memory(); total = time.perf_counter() - t0
+print("ATTR " + json.dumps({"check_hooks_first_s": first, "check_hooks_again_s": again,
+    "device_total_memory_s": total, "problems": problems, "modules_added": added}))
+"""
 
 
 def main() -> None:
@@ -28,11 +53,12 @@ def main() -> None:
     c.add_common_args(parser)
     parser.add_argument("--blocks", type=int, default=160)
     parser.add_argument("--pairs", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--with-override-variant", action="store_true")
+    parser.add_argument("--attribution-runs", type=int, default=3)
     args = parser.parse_args()
 
     model = c.model_path(args)
@@ -73,11 +99,20 @@ def main() -> None:
                 "startup_cpu_s": res["startup_cpu_s"],
                 "tokens_per_cpu_s": statistics.median(r["output_tokens_per_cpu_s"] for r in runs),
                 "preemptions": sum(r["preemptions"] or 0 for r in runs),
+                "parent_modules": res.get("parent_modules"),
+                "parent_worker_modules": res.get("parent_worker_modules"),
             })
             print(f"pair {pair} {name}: {rows[-1]['blocks']} blocks, start-up "
                   f"{rows[-1]['startup_s']:.1f} s, {rows[-1]['tokens_per_s']:.0f} tok/s",
                   flush=True)
 
+    attribution = []
+    for _ in range(args.attribution_runs):
+        proc = subprocess.run([sys.executable, "-c", ATTRIBUTION], env=c.bench_env(),
+                              capture_output=True, text=True, cwd=c.REPO)
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("ATTR ")), None)
+        if line:
+            attribution.append(json.loads(line[5:]))
     blocks = {r["blocks"] for r in rows}
     summary: dict = {"blocks": sorted(blocks), "same_block_count": len(blocks) == 1,
                      "ratios": {}}
@@ -105,6 +140,15 @@ def main() -> None:
                 spreads.append(max(vals) / min(vals) - 1)
         noise[key] = max(spreads) if spreads else None
     summary["same_variant_spread"] = noise
+    if attribution:
+        added = attribution[-1]["modules_added"]
+        summary["startup_attribution"] = {
+            "check_hooks_first_s": c.spread([a["check_hooks_first_s"] for a in attribution]),
+            "check_hooks_again_s": c.spread([a["check_hooks_again_s"] for a in attribution]),
+            "device_total_memory_s": c.spread([a["device_total_memory_s"] for a in attribution]),
+            "modules_added_count": len(added),
+            "modules_added_top": sorted({m for m in added if m.count(".") <= 3})[:40],
+        }
 
     print()
     print(c.table(rows, [
@@ -125,6 +169,17 @@ def main() -> None:
     print("same-variant spread (max/min - 1): " + ", ".join(
         f"{k} {c.fmt(v)}" for k, v in noise.items())
         + f"; same block count: {summary['same_block_count']}")
+    attr = summary.get("startup_attribution")
+    if attr:
+        print(f"first process, cap set: compat.check_hooks() first call "
+              f"{attr['check_hooks_first_s']['median']:.2f} s (imports "
+              f"{attr['modules_added_count']} modules), again "
+              f"{attr['check_hooks_again_s']['median'] * 1e3:.2f} ms; device total memory "
+              f"{attr['device_total_memory_s']['median'] * 1e3:.2f} ms")
+        print(f"  modules it imports (top levels): {attr['modules_added_top']}")
+    for name in names:
+        mods = {tuple(r.get("parent_worker_modules") or ()) for r in rows if r["variant"] == name}
+        print(f"{name}: vllm.v1.worker modules in the first process: {sorted(mods)}")
     csv_path, _ = c.save("engine_overhead", rows, {"summary": summary})
     print(f"wrote {csv_path}")
 

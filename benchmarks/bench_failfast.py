@@ -60,7 +60,7 @@ def main() -> None:
                 "process_wall_s": run.wall_s,
                 "error_type": res.get("error_type"),
                 "error": (res.get("error") or "")[:300],
-                "root_cause": root_cause(run.log),
+                "root_cause": root_cause(run.log) or res.get("error"),
             }
             row.update({k: run.has_log(v) for k, v in MARKERS.items()})
             rows.append(row)

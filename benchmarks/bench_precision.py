@@ -61,6 +61,10 @@ def main() -> None:
                 "startup_s": res["startup_s"],
             })
         print(f"cap {text}: {allocated} bytes in {blocks} blocks", flush=True)
+        if "blk" in text and block_bytes != assumed_block:
+            print(f"warning: caps in blocks assumed {assumed_block}-byte blocks; the engine "
+                  f"uses {block_bytes}-byte blocks, so {text!r} is not what it says",
+                  flush=True)
 
     print()
     print(c.table(rows, [
