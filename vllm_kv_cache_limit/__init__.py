@@ -7,10 +7,25 @@ plugin; importing it is cheap and imports no vLLM module.
 
 from __future__ import annotations
 
-from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
-from vllm_kv_cache_limit.sizes import format_size, parse_size
+# No `typing` import: it costs more than the rest of the start-up hook.
 
 __all__ = ["KVCacheMaxMemoryError", "__version__", "format_size", "parse_size", "register"]
+
+# The start-up hook imports this package in every interpreter of the
+# environment, so the public names load on first use only.
+_LAZY = {
+    "KVCacheMaxMemoryError": "vllm_kv_cache_limit.policy",
+    "format_size": "vllm_kv_cache_limit.sizes",
+    "parse_size": "vllm_kv_cache_limit.sizes",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __version__ = "0.1.0"
 

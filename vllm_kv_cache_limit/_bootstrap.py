@@ -15,13 +15,13 @@ in the environment.
 
 from __future__ import annotations
 
+# Only modules Python has loaded before `site` runs: this module is imported
+# at every interpreter start-up (typing, threading and importlib.abc would
+# cost milliseconds each time).
+import _thread
 import importlib
 import os
 import sys
-import threading
-from importlib.abc import Loader, MetaPathFinder
-from importlib.machinery import ModuleSpec
-from types import ModuleType
 
 PLUGIN_NAME = "vllm_kv_cache_limit"
 """The entry point name, as listed in ``VLLM_PLUGINS``."""
@@ -35,7 +35,7 @@ HOOKED_MODULES: dict[str, str] = {
     "vllm.v1.worker.cpu_worker": "patch_cpu_worker",
 }
 
-_lock = threading.RLock()
+_lock = _thread.RLock()
 _done: set[str] = set()
 _installed = False
 
@@ -48,7 +48,7 @@ def plugin_allowed(environ: dict[str, str] | os._Environ = os.environ) -> bool:
     return PLUGIN_NAME in [name.strip() for name in allowed.split(",")]
 
 
-def _run_hook(module: ModuleType) -> None:
+def _run_hook(module: "ModuleType") -> None:
     with _lock:
         if module.__name__ in _done:
             return
@@ -56,7 +56,12 @@ def _run_hook(module: ModuleType) -> None:
     try:
         hooks = importlib.import_module("vllm_kv_cache_limit._hooks")
         getattr(hooks, HOOKED_MODULES[module.__name__])(module)
-    except Exception as exc:  # never break the import of a vLLM module
+    except Exception as exc:
+        from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
+
+        if isinstance(exc, KVCacheMaxMemoryError):
+            raise  # a cap is in force and cannot be enforced: stop
+        # Otherwise never break the import of a vLLM module.
         import logging
 
         logging.getLogger(__name__).warning(
@@ -65,19 +70,19 @@ def _run_hook(module: ModuleType) -> None:
         )
 
 
-class _HookLoader(Loader):
+class _HookLoader:
     """Delegates to the real loader, then runs the module's hook."""
 
-    def __init__(self, loader: Loader) -> None:
+    def __init__(self, loader: object) -> None:
         self._loader = loader
 
     def __getattr__(self, name: str):
         return getattr(self._loader, name)
 
-    def create_module(self, spec: ModuleSpec):
+    def create_module(self, spec: "ModuleSpec"):
         return self._loader.create_module(spec)
 
-    def exec_module(self, module: ModuleType) -> None:
+    def exec_module(self, module: "ModuleType") -> None:
         # Give the module its real loader back: inspect and pickle look at it.
         module.__loader__ = self._loader
         if module.__spec__ is not None:
@@ -86,14 +91,14 @@ class _HookLoader(Loader):
         _run_hook(module)
 
 
-class _PostImportFinder(MetaPathFinder):
+class _PostImportFinder:
     """Finds hooked vLLM modules through the other finders and wraps their
     loader so the hook runs once the module body has executed."""
 
     def __init__(self) -> None:
-        self._busy = threading.local()
+        self._busy = _thread._local()
 
-    def find_spec(self, fullname: str, path=None, target=None) -> ModuleSpec | None:
+    def find_spec(self, fullname: str, path=None, target=None) -> "ModuleSpec | None":
         if fullname not in HOOKED_MODULES or fullname in _done:
             return None
         busy = getattr(self._busy, "names", None)

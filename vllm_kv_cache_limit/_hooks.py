@@ -77,6 +77,10 @@ def _hook_ok(qualname: str) -> bool:
     _, problem = compat.resolve_hook(compat.get_hook(qualname))
     if problem is None:
         return True
+    if os.environ.get(ERROR_RELAY_ENV):
+        # An engine-core or worker process of an engine started with a cap:
+        # never leave the cap silently unenforced.
+        _raise_cap_error(compat.drift_message([problem]))
     if not _inactive_warned and not os.environ.get(INACTIVE_WARNED_ENV):
         _inactive_warned = True
         # Engine-core and worker processes inherit this and stay quiet: one
@@ -238,12 +242,14 @@ def _carry_cap_into_config(original: Callable) -> Callable:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         cap = resolve_cap(getattr(self, FIELD, None), os.environ.get(ENV_VAR))
         if cap is None:
+            # No cap in force for the processes this engine starts.
+            os.environ.pop(ERROR_RELAY_ENV, None)
             return original(self, *args, **kwargs)
-        problems = compat.check_hooks()
-        if problems:
-            raise KVCacheMaxMemoryError(compat.drift_message(problems))
         total, device = _device_total_memory()
         check_cap_within_total(cap, total, device)
+        problems = compat.check_hooks_at_startup()
+        if problems:
+            raise KVCacheMaxMemoryError(compat.drift_message(problems))
         config = original(self, *args, **kwargs)
         cache_config = config.cache_config
         setattr(cache_config, FIELD, cap)

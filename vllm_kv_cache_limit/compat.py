@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +145,25 @@ def check_hooks(hooks: tuple[Hook, ...] | None = None) -> list[str]:
     """Problems with the hooks (default: ``HOOKS``) in the imported vLLM;
     empty when all fit."""
     return [problem for hook in (HOOKS if hooks is None else hooks) if (problem := resolve_hook(hook)[1])]
+
+
+def check_hooks_at_startup(hooks: tuple[Hook, ...] | None = None) -> list[str]:
+    """Problems with the hooks (default: ``HOOKS``), cheaply enough for every
+    start-up with a cap: hooks in modules the process has already imported
+    are checked on the live objects, the others (the worker modules, which
+    the first process never needs) in vLLM's source with ``ast``, without
+    importing them."""
+    hooks = HOOKS if hooks is None else hooks
+    loaded = tuple(h for h in hooks if any(m in sys.modules for m in h.modules))
+    problems = check_hooks(loaded)
+    rest = tuple(h for h in hooks if h not in loaded)
+    if rest:
+        vllm_spec = importlib.util.find_spec("vllm")
+        if vllm_spec is None or not vllm_spec.submodule_search_locations:
+            return problems + [f"{h.name} is missing" for h in rest]
+        root = Path(next(iter(vllm_spec.submodule_search_locations))).parent
+        problems += check_hooks_in_source(root, rest)
+    return problems
 
 
 def _source_params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:

@@ -23,15 +23,16 @@ _LOG_PREFIX = re.compile(r"^(?:\((?P<proc>[A-Za-z_]+)[^)]*\) )?(?P<level>WARNING
 
 
 def warnings_of(log: str) -> list[str]:
-    """vLLM's WARNING and ERROR messages without pids, times and line
-    numbers. Shutdown messages ("force killing remaining process ...") are
-    left out: whether vLLM needs to force-kill at exit varies run to run."""
+    """The distinct WARNING and ERROR messages of vLLM, without pids, times
+    and line numbers. Distinct, because how often a process repeats one
+    varies run to run (processes share one stderr); shutdown messages ("force
+    killing remaining process ...") are left out for the same reason."""
     found = []
     for line in log.splitlines():
         match = _LOG_PREFIX.match(line)
         if match and not match["msg"].startswith("[shutdown]"):
             found.append(f"{match['proc'] or ''} {match['level']} {match['msg']}")
-    return sorted(found)
+    return sorted(set(found))
 
 
 def test_plugin_is_really_excluded_by_vllm_plugins() -> None:
