@@ -48,7 +48,7 @@ def plugin_allowed(environ: dict[str, str] | os._Environ = os.environ) -> bool:
     return PLUGIN_NAME in [name.strip() for name in allowed.split(",")]
 
 
-def _run_hook(module: "ModuleType") -> None:
+def _run_hook(module: object) -> None:
     with _lock:
         if module.__name__ in _done:
             return
@@ -79,10 +79,10 @@ class _HookLoader:
     def __getattr__(self, name: str):
         return getattr(self._loader, name)
 
-    def create_module(self, spec: "ModuleSpec"):
+    def create_module(self, spec: object):
         return self._loader.create_module(spec)
 
-    def exec_module(self, module: "ModuleType") -> None:
+    def exec_module(self, module: object) -> None:
         # Give the module its real loader back: inspect and pickle look at it.
         module.__loader__ = self._loader
         if module.__spec__ is not None:
@@ -98,7 +98,7 @@ class _PostImportFinder:
     def __init__(self) -> None:
         self._busy = _thread._local()
 
-    def find_spec(self, fullname: str, path=None, target=None) -> "ModuleSpec | None":
+    def find_spec(self, fullname: str, path=None, target=None) -> object:
         if fullname not in HOOKED_MODULES or fullname in _done:
             return None
         busy = getattr(self._busy, "names", None)

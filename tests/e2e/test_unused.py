@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 
 from tests.e2e.conftest import REPO, engine_env
 from tests.e2e.test_version_drift import KV_SIZE, expected_blocks
