@@ -23,17 +23,17 @@ from typing import Any
 RESULT_PREFIX = "PROBE_RESULT "
 
 
-def worker_kv_cache_bytes(worker: Any) -> int:
-    """Bytes of KV cache a worker holds: the distinct storages behind its
-    ``model_runner.kv_caches`` tensors (views of one buffer count once)."""
+def kv_cache_storages(worker: Any) -> dict[int, tuple[int, str]]:
+    """The distinct storages behind a worker's ``model_runner.kv_caches``
+    tensors (views of one buffer count once): ``{data_ptr: (bytes, device)}``."""
     import torch
 
-    storages: dict[int, int] = {}
+    storages: dict[int, tuple[int, str]] = {}
 
     def walk(item: Any) -> None:
         if isinstance(item, torch.Tensor):
             storage = item.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            storages[storage.data_ptr()] = (storage.nbytes(), str(item.device))
         elif isinstance(item, (list, tuple)):
             for sub in item:
                 walk(sub)
@@ -42,7 +42,12 @@ def worker_kv_cache_bytes(worker: Any) -> int:
                 walk(sub)
 
     walk(worker.model_runner.kv_caches)
-    return sum(storages.values())
+    return storages
+
+
+def worker_kv_cache_bytes(worker: Any) -> int:
+    """Bytes of KV cache a worker holds (for ``LLM.collective_rpc``)."""
+    return sum(nbytes for nbytes, _ in kv_cache_storages(worker).values())
 
 
 def worker_rss_bytes(worker: Any) -> int:

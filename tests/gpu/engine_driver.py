@@ -25,30 +25,17 @@ def worker_cuda_memory(worker: Any) -> dict[str, Any]:
     their devices), the model weights, and torch's allocator on the device."""
     import torch
 
-    storages: dict[int, int] = {}
-    devices: set[str] = set()
+    from vllm_kv_cache_limit.probe import kv_cache_storages
 
-    def walk(item: Any) -> None:
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-            devices.add(str(item.device))
-        elif isinstance(item, (list, tuple)):
-            for sub in item:
-                walk(sub)
-        elif isinstance(item, dict):
-            for sub in item.values():
-                walk(sub)
-
+    storages = kv_cache_storages(worker)
     runner = worker.model_runner
-    walk(runner.kv_caches)
     model = getattr(runner, "model", None)
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) if model is not None else 0
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     return {
-        "kv_cache_bytes": sum(storages.values()),
-        "kv_devices": sorted(devices),
+        "kv_cache_bytes": sum(nbytes for nbytes, _ in storages.values()),
+        "kv_devices": sorted({device for _, device in storages.values()}),
         "weights_bytes": weights,
         "memory_allocated": torch.cuda.memory_allocated(),
         "device": f"cuda:{torch.cuda.current_device()}",
