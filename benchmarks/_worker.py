@@ -32,6 +32,52 @@ def _since_launch() -> float | None:
     return time.time() - float(launched) if launched else None
 
 
+def _watch_startup(result: dict[str, Any]) -> Any:
+    """Records, for this (first) process during ``LLM(...)``: the seconds
+    spent in ``EngineArgs.create_engine_config`` (where the plugin checks a
+    cap before any engine-core process starts; serial with the rest of
+    start-up) and the full (generation 2) garbage collections with their
+    seconds. Returns the function that stops recording."""
+    import functools
+    import gc
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.__dict__["create_engine_config"]
+    config_s: list[float] = []
+
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            config_s.append(time.perf_counter() - start)
+
+    full: list[float] = []
+    began: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            began.append(time.perf_counter())
+        elif began:
+            full.append(time.perf_counter() - began.pop())
+
+    EngineArgs.create_engine_config = create_engine_config
+    gc.callbacks.append(on_gc)
+
+    def stop() -> None:
+        EngineArgs.create_engine_config = original
+        gc.callbacks.remove(on_gc)
+        result["create_engine_config_s"] = sum(config_s)
+        result["parent_full_gc_count"] = len(full)
+        result["parent_full_gc_s"] = sum(full)
+
+    return stop
+
+
 def worker_memory(worker: Any) -> dict[str, Any]:
     """Runs in each worker (``LLM.collective_rpc``): KV cache bytes (distinct
     storages of ``model_runner.kv_caches``), how many of those bytes are
@@ -209,8 +255,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         from vllm import LLM
 
         result["import_s"] = time.perf_counter() - started
+        stop_watching = _watch_startup(result)
         llm_started = time.perf_counter()
-        llm = LLM(**spec)
+        try:
+            llm = LLM(**spec)
+        finally:
+            stop_watching()
         result["startup_s"] = time.perf_counter() - llm_started
         result["ready_after_launch_s"] = _since_launch()
         result["startup_cpu_s"] = _tree_cpu()
