@@ -89,22 +89,11 @@ def worker_memory(worker: Any) -> dict[str, Any]:
     import psutil
     import torch
 
-    storages: dict[int, int] = {}
-    devices: set[str] = set()
+    from vllm_kv_cache_limit.probe import kv_cache_storages
 
-    def walk(item: Any) -> None:
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-            devices.add(str(item.device))
-        elif isinstance(item, (list, tuple)):
-            for sub in item:
-                walk(sub)
-        elif isinstance(item, dict):
-            for sub in item.values():
-                walk(sub)
-
-    walk(worker.model_runner.kv_caches)
+    found = kv_cache_storages(worker)
+    storages = {ptr: nbytes for ptr, (nbytes, _) in found.items()}
+    devices = {device for _, device in found.values()}
     out: dict[str, Any] = {
         "kv_cache_bytes": sum(storages.values()),
         "kv_devices": sorted(devices),
