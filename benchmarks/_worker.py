@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Any
 
+from vllm_kv_cache_limit.probe import engine_cache_settings, kv_cache_storages
+
 RESULT_PREFIX = "BENCH_RESULT "
 
 
@@ -88,8 +90,6 @@ def worker_memory(worker: Any) -> dict[str, Any]:
 
     import psutil
     import torch
-
-    from vllm_kv_cache_limit.probe import kv_cache_storages
 
     found = kv_cache_storages(worker)
     storages = {ptr: nbytes for ptr, (nbytes, _) in found.items()}
@@ -258,15 +258,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         result["parent_modules"] = len(sys.modules)
         result["parent_worker_modules"] = sorted(
             m for m in sys.modules if m.startswith("vllm.v1.worker."))
-        cache_config = llm.llm_engine.vllm_config.cache_config
         result["workers"] = llm.collective_rpc(worker_memory)
         result["kv_cache_bytes"] = [w["kv_cache_bytes"] for w in result["workers"]]
-        result["num_gpu_blocks"] = cache_config.num_gpu_blocks
-        result["block_size"] = cache_config.block_size
-        result["num_gpu_blocks_override"] = cache_config.num_gpu_blocks_override
-        result["kv_cache_memory_bytes"] = cache_config.kv_cache_memory_bytes
-        result["kv_cache_max_memory"] = getattr(cache_config, "kv_cache_max_memory", None)
-        result["max_model_len"] = llm.llm_engine.vllm_config.model_config.max_model_len
+        result.update(engine_cache_settings(llm))
         result["tree_rss_bytes"] = _tree_rss()
         if workload:
             result["workload"] = run_workload(llm, workload)

@@ -57,6 +57,21 @@ def worker_rss_bytes(worker: Any) -> int:
     return psutil.Process().memory_info().rss
 
 
+def engine_cache_settings(llm: Any) -> dict[str, Any]:
+    """The KV cache settings an ``LLM`` ended up with, as its engine config
+    holds them after start-up."""
+    vllm_config = llm.llm_engine.vllm_config
+    cache_config = vllm_config.cache_config
+    return {
+        "num_gpu_blocks": cache_config.num_gpu_blocks,
+        "block_size": cache_config.block_size,
+        "num_gpu_blocks_override": cache_config.num_gpu_blocks_override,
+        "kv_cache_memory_bytes": cache_config.kv_cache_memory_bytes,
+        "kv_cache_max_memory": getattr(cache_config, "kv_cache_max_memory", None),
+        "max_model_len": vllm_config.model_config.max_model_len,
+    }
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -70,15 +85,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
         llm = LLM(**spec)
         result["startup_s"] = time.perf_counter() - started
-        cache_config = llm.llm_engine.vllm_config.cache_config
         result["kv_cache_bytes"] = llm.collective_rpc(worker_kv_cache_bytes)
         result["worker_rss_bytes"] = llm.collective_rpc(worker_rss_bytes)
-        result["num_gpu_blocks"] = cache_config.num_gpu_blocks
-        result["block_size"] = cache_config.block_size
-        result["num_gpu_blocks_override"] = cache_config.num_gpu_blocks_override
-        result["kv_cache_memory_bytes"] = cache_config.kv_cache_memory_bytes
-        result["kv_cache_max_memory"] = getattr(cache_config, "kv_cache_max_memory", None)
-        result["max_model_len"] = llm.llm_engine.vllm_config.model_config.max_model_len
+        result.update(engine_cache_settings(llm))
         if prompts:
             outputs = llm.generate(
                 prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0)
