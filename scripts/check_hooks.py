@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Check every place vllm-kv-cache-limit hooks into vLLM (``compat.HOOKS``)
+"""Check every place vllm-kv-cache-limit hooks into vLLM (``compat.HOOKS``,
+and the vLLM functions vllm-kv-plan calls, ``compat.PLANNER_APIS``)
 against the installed vLLM and against the source of another vLLM build.
 
     scripts/check_hooks.py                       # installed vLLM + newest supported CUDA build
@@ -119,17 +120,21 @@ def source_version(root: Path) -> str:
     return "unknown"
 
 
-def report(label: str, version: str, problems: list[str]) -> bool:
+def report(label: str, version: str, problems: list[str], total: int | None = None, what: str = "hooks") -> bool:
     """Print one line for a checked build; True when every hook fits."""
+    total = len(compat.HOOKS) if total is None else total
     supported = compat.version_supported(version)
     note = "" if supported else f" (outside the supported range {compat.SUPPORTED_VLLM[0]})"
     if problems:
-        print(f"FAIL {label} vLLM {version}{note}: {len(problems)} of {len(compat.HOOKS)} hooks do not fit:")
+        print(f"FAIL {label} vLLM {version}{note}: {len(problems)} of {total} {what} do not fit:")
         for problem in problems:
             print(f"  - {problem}")
         return False
-    print(f"OK   {label} vLLM {version}{note}: all {len(compat.HOOKS)} hooks fit")
+    print(f"OK   {label} vLLM {version}{note}: all {total} {what} fit")
     return True
+
+
+PLANNER = "vllm-kv-plan APIs"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ok = True
     if not args.no_installed:
-        ok &= report("installed", compat.installed_vllm_version(), compat.check_hooks())
+        installed = compat.installed_vllm_version()
+        ok &= report("installed", installed, compat.check_hooks())
+        planner = compat.check_hooks(compat.PLANNER_APIS)
+        ok &= report("installed", installed, planner, len(compat.PLANNER_APIS), PLANNER)
 
     if args.source is not None:
         root = args.source
@@ -168,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     if version == "unknown" and args.source is None:
         version = wheel_version(wheel)
     ok &= report(label, version, compat.check_hooks_in_source(root))
+    planner = compat.check_hooks_in_source(root, compat.PLANNER_APIS)
+    ok &= report(label, version, planner, len(compat.PLANNER_APIS), PLANNER)
     return 0 if ok else EXIT_DRIFT
 
 

@@ -59,6 +59,25 @@ HOOKS: tuple[Hook, ...] = (
 )
 
 
+PLANNER_APIS: tuple[Hook, ...] = (
+    Hook(("vllm.engine.arg_utils",), "EngineArgs.create_engine_config", ("self",)),
+    Hook(("vllm.model_executor.layers.attention.attention",), "Attention.get_kv_cache_spec"),
+    Hook(("vllm.v1.worker.utils",), "customize_attention_spec"),
+    Hook(("vllm.distributed.kv_transfer.kv_connector.utils",), "get_current_attn_backends"),
+    Hook(("vllm.v1.attention.backends.utils",), "resolve_kv_cache_layout"),
+    Hook(("vllm.distributed.utils",), "get_pp_indices"),
+    Hook(("vllm.v1.core.single_type_kv_cache_manager",), "register_all_kvcache_specs"),
+    Hook(
+        ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"),
+        "get_kv_cache_configs",
+        ("vllm_config", "kv_cache_specs", "available_memory"),
+    ),
+)
+"""vLLM functions ``vllm-kv-plan`` calls (it wraps none): checked by
+``scripts/check_hooks.py`` beside ``HOOKS``, but never at engine start-up,
+since the cap does not depend on them."""
+
+
 def get_hook(qualname: str) -> Hook:
     """The hook entry for ``qualname``."""
     for hook in HOOKS:

@@ -44,9 +44,9 @@ def script() -> ModuleType:
 
 def hook_source_files(installed_root: Path) -> set[Path]:
     """The installed vLLM files that the hooks live in: the modules named in
-    HOOKS and the modules that define what those re-export."""
+    HOOKS and PLANNER_APIS and the modules that define what those re-export."""
     files = set()
-    for hook in compat.HOOKS:
+    for hook in (*compat.HOOKS, *compat.PLANNER_APIS):
         for module_name in hook.modules:
             path = installed_root.joinpath(*module_name.split(".")).with_suffix(".py")
             if path.is_file():
@@ -77,7 +77,7 @@ def edit(root: Path, module: str, pattern: str, replacement: str) -> None:
 def defining_module(qualname: str) -> str:
     """The module that defines the function or class ``qualname`` starts
     with (the hooked module may only re-export it)."""
-    hook = next(h for h in compat.HOOKS if h.qualname.split(".")[0] == qualname.split(".")[0])
+    hook = next(h for h in (*compat.HOOKS, *compat.PLANNER_APIS) if h.qualname.split(".")[0] == qualname.split(".")[0])
     for module_name in hook.modules:
         try:
             module = importlib.import_module(module_name)
@@ -207,3 +207,10 @@ def test_script_checks_a_source_tree(source_copy: Path, script: ModuleType, caps
     edit(source_copy, "vllm.v1.worker.gpu_worker", r"def determine_available_memory\(\s*self", "def determine_available_memory(worker")
     assert script.main(["--no-installed", "--source", str(source_copy)]) == 1
     assert "Worker.determine_available_memory has changed shape" in capsys.readouterr().out
+
+
+def test_planner_apis_fit_installed_vllm_and_are_not_startup_hooks() -> None:
+    assert compat.check_hooks(compat.PLANNER_APIS) == []
+    # The cap never depends on the planner: engine start-up checks HOOKS only.
+    planner_only = {h.name for h in compat.PLANNER_APIS} - {h.name for h in compat.HOOKS}
+    assert planner_only and not planner_only & {h.name for h in compat.HOOKS}
