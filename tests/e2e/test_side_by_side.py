@@ -34,6 +34,21 @@ def allowed_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def bind_two_workers(what: str) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for two local CPU workers, half the
+    allowed cores each; skips with the reason when fewer than 2 cores. With
+    one NUMA node, vLLM's automatic binding refuses two local workers ("Not
+    enough allowed NUMA nodes"); binding them explicitly is what it suggests."""
+    cpus = allowed_cpus()
+    if len(cpus) < 2:
+        pytest.skip(
+            f"vLLM's CPU backend binds each {what} to its own CPU cores "
+            f"(VLLM_CPU_OMP_THREADS_BIND); this process may use only {len(cpus)} core(s): {cpus}"
+        )
+    half = len(cpus) // 2
+    return ",".join(map(str, cpus[:half])) + "|" + ",".join(map(str, cpus[half:]))
+
+
 def metric_labels(metrics: str, name: str) -> dict[str, str]:
     line = next(l for l in metrics.splitlines() if l.startswith(name + "{"))
     return dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', line))
@@ -118,16 +133,7 @@ def test_servers_have_different_block_counts(servers) -> None:
 def test_tensor_parallel_2_each_worker_respects_the_cap(probe, tiny_model: str) -> None:
     """Tensor parallel 2 on the CPU backend: the cap is per worker, measured
     in each worker from its KV cache tensors."""
-    cpus = allowed_cpus()
-    if len(cpus) < 2:
-        pytest.skip(
-            f"vLLM's CPU backend binds each tensor-parallel worker to its own CPU cores "
-            f"(VLLM_CPU_OMP_THREADS_BIND); this process may use only {len(cpus)} core(s): {cpus}"
-        )
-    half = len(cpus) // 2
-    # With one NUMA node, vLLM's automatic binding refuses two local workers
-    # ("Not enough allowed NUMA nodes"); bind them explicitly, as it suggests.
-    bind = ",".join(map(str, cpus[:half])) + "|" + ",".join(map(str, cpus[half:]))
+    bind = bind_two_workers("tensor-parallel worker")
     cap = CAPS["small"]
     result, log = probe(
         env={"VLLM_CPU_OMP_THREADS_BIND": bind},
@@ -155,11 +161,7 @@ def test_pipeline_parallel_2_each_worker_respects_the_cap(probe, tiny_model: str
     of the two layers and keeps to the cap. Only the allocation is checked:
     generating with pipeline parallelism fails in vLLM 0.32's CPU build with
     or without the plugin (an AssertionError in the second stage's worker)."""
-    cpus = allowed_cpus()
-    if len(cpus) < 2:
-        pytest.skip(f"needs 2 CPU cores for 2 pipeline stages; this process may use {cpus}")
-    half = len(cpus) // 2
-    bind = ",".join(map(str, cpus[:half])) + "|" + ",".join(map(str, cpus[half:]))
+    bind = bind_two_workers("pipeline stage's worker")
     cap = CAPS["small"]
     result, log = probe(
         env={"VLLM_CPU_OMP_THREADS_BIND": bind},
