@@ -14,17 +14,19 @@ functions in ``sizes`` and ``policy``.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kv_cache_limit import compat
+from vllm_kv_cache_limit import compat, startup_lock
 from vllm_kv_cache_limit.config import KVCacheLimitConfig
 from vllm_kv_cache_limit.policy import (
     ENV_VAR,
@@ -33,11 +35,15 @@ from vllm_kv_cache_limit.policy import (
     KVCacheMaxMemoryError,
     cap_block_override,
     cap_explicit_size,
-    check_cap_within_free,
+    check_cap_fits_before_load,
+    check_cap_within_instance,
+    check_explicit_size_within_free,
     check_cap_within_total,
     resolve_cap,
     too_small_message,
+    utilization_ceiling,
 )
+from vllm_kv_cache_limit.weights import weight_bytes_lower_bound
 from vllm_kv_cache_limit.sizes import format_gib, format_size, parse_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
@@ -250,6 +256,7 @@ def _carry_cap_into_config(original: Callable) -> Callable:
         problems = compat.check_hooks_at_startup()
         if problems:
             raise KVCacheMaxMemoryError(compat.drift_message(problems))
+        startup_lock.lock_timeout()  # a bad value fails here, quoted
         config = original(self, *args, **kwargs)
         cache_config = config.cache_config
         setattr(cache_config, FIELD, cap)
@@ -257,10 +264,102 @@ def _carry_cap_into_config(original: Callable) -> Callable:
         if warning:
             logger.warning(warning)
             cache_config.kv_cache_memory_bytes = reduced
+        _check_fits_before_load(config, cap)
         _arm_error_relay()
         return config
 
     return create_engine_config
+
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+    key: str
+    """Names the device in the lock folder: GPU UUID, or NUMA node."""
+    label: str
+    free: Callable[[], int]
+    """Reads the device's free memory without initialising CUDA."""
+
+
+def _instance_devices(vllm_config: Any) -> tuple[list[_Device], int]:
+    """The devices this instance's local workers use, and how many workers
+    share them (on the CPU backend every local worker uses the host's memory
+    nodes)."""
+    from vllm.platforms import current_platform
+
+    world = int(vllm_config.parallel_config.world_size)
+    if current_platform.is_cpu():
+        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+        nodes = sorted({cpu.numa_node for cpu in get_allowed_cpu_list()})
+        return [
+            _Device(f"cpu-node{node}", f"host memory node {node} (CPU backend)",
+                    functools.partial(lambda n: int(get_memory_node_info(n).available_memory), node))
+            for node in nodes
+        ], world
+    count = min(world, int(current_platform.device_count()))
+    devices = []
+    for index in range(count):
+        try:
+            key = str(current_platform.get_device_uuid(index))
+        except Exception:
+            key = f"{current_platform.device_type}{current_platform.device_id_to_physical_device_id(index)}"
+        devices.append(_Device(key, f"{current_platform.device_type}:{index} ({key})", functools.partial(_nvml_free, index)))
+    return devices, count
+
+
+def _nvml_free(index: int) -> int:
+    """Free memory of local device ``index`` from NVML (no CUDA context)."""
+    from vllm.platforms import current_platform
+    from vllm.utils.import_utils import import_pynvml
+
+    pynvml = import_pynvml()
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(current_platform.device_id_to_physical_device_id(index))
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _check_fits_before_load(config: Any, cap: int) -> None:
+    """Fail fast, in the first process and before any weights load, when the
+    local workers' caps plus their share of the weights (read from the
+    safetensors headers) exceed the free memory of their devices. Any reading
+    that fails skips the check: it only refuses what cannot possibly fit."""
+    try:
+        devices, workers = _instance_devices(config)
+        if not devices or workers <= 0:
+            return
+        free = sum(device.free() for device in devices)
+        model_config = config.model_config
+        weights = 0
+        if getattr(model_config, "quantization", None) is None:
+            folder = _local_model_folder(model_config)
+            itemsize = getattr(model_config.dtype, "itemsize", None)
+            weights = weight_bytes_lower_bound(folder, itemsize) if folder else 0
+        weights = weights * workers // max(1, int(config.parallel_config.world_size))
+    except Exception as exc:  # never refuse a start because a reading failed
+        logger.debug("KV cache cap: fit check before loading skipped: %r", exc)
+        return
+    label = devices[0].label if len(devices) == 1 else " + ".join(d.label for d in devices)
+    check_cap_fits_before_load(cap, weights, workers, free, label)
+
+
+def _local_model_folder(model_config: Any) -> str | None:
+    """The model's folder on disk: the path given, or the Hugging Face cache
+    snapshot when the model is already there (never downloads)."""
+    model = str(model_config.model)
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(
+            model, revision=getattr(model_config, "revision", None), local_files_only=True,
+            allow_patterns=["*.safetensors", "*.json"],
+        )
+    except Exception:
+        return None
 
 
 def _arm_error_relay() -> None:
@@ -327,12 +426,38 @@ def patch_engine_core(module: Any) -> None:
     that defines it, ``_check_enough_kv_cache_memory`` (for an error that
     names the cap). Upstream: ``min(available_memory, kv_cache_max_memory)``
     in ``get_kv_cache_configs``."""
-    if not (_hook_ok("get_kv_cache_configs") and _hook_ok("_check_enough_kv_cache_memory")):
+    if not (
+        _hook_ok("get_kv_cache_configs")
+        and _hook_ok("_check_enough_kv_cache_memory")
+        and _hook_ok("EngineCore.__init__")
+    ):
         return
+    _wrap(module.EngineCore, "__init__", _hold_startup_lock)
     _wrap(module, "get_kv_cache_configs", _cap_kv_cache_configs)
     planner, _ = compat.resolve_hook(compat.get_hook("_check_enough_kv_cache_memory"))
     planner_module = __import__(planner.__module__, fromlist=["_"])  # type: ignore[union-attr]
     _wrap(planner_module, "_check_enough_kv_cache_memory", _name_cap_when_too_small)
+
+
+def _hold_startup_lock(original: Callable) -> Callable:
+    """Why: instances that measure memory at the same time count each other's
+    memory (see ``startup_lock``). How: with a cap, ``EngineCore.__init__``
+    (which starts the workers, profiles, allocates the KV cache and warms up,
+    capturing CUDA graphs) runs holding the start-up lock of every local
+    device. Upstream: none yet; vLLM measures device-wide free memory."""
+
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        if cap_of(vllm_config.cache_config) is None or not startup_lock.enabled():
+            return original(self, vllm_config, *args, **kwargs)
+        try:
+            devices, _ = _instance_devices(vllm_config)
+        except Exception as exc:
+            logger.warning("No KV cache start-up lock: the devices could not be named (%r).", exc)
+            devices = []
+        with startup_lock.acquire([(d.key, d.label) for d in devices]):
+            return original(self, vllm_config, *args, **kwargs)
+
+    return __init__
 
 
 def _cap_kv_cache_configs(original: Callable) -> Callable:
@@ -386,9 +511,20 @@ def _log_decision(vllm_config: Any, decisions: list[CapDecision], configs: list[
         format_gib(cap),
         budget,
         format_gib(budget),
-        "bound (KV cache reduced to the cap)" if any(d.bound for d in decisions) else "not bound",
+        _bound_text(vllm_config.cache_config, decisions),
         num_blocks,
         tokens,
+    )
+
+
+def _bound_text(cache_config: Any, decisions: list[CapDecision]) -> str:
+    if any(d.bound for d in decisions):
+        return "bound (KV cache reduced to the cap)"
+    if cache_config.kv_cache_memory_bytes is not None:
+        return "not bound (--kv-cache-memory-bytes is smaller)"
+    return (
+        "not bound (vLLM's budget under --gpu-memory-utilization "
+        f"{cache_config.gpu_memory_utilization} is smaller)"
     )
 
 
@@ -416,29 +552,162 @@ def _name_cap_when_too_small(original: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------------------
-# Workers: the cap against the device's free memory
+# Workers: the utilization as a ceiling, and the cap against what this
+# instance can get
 # ---------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class _Gate:
+    """What vLLM's start-up gate asked for in this worker process."""
+
+    device: str
+    total: int
+    free: int
+    """Free memory at the first snapshot."""
+    requested: int
+    """What the worker finally requested (vLLM's budget before non-KV memory)."""
+    limited_by_free: bool
+    """Whether free memory, not ``--gpu-memory-utilization``, set ``requested``."""
+
+
+_gate: _Gate | None = None
+CPU_GATE_SLACK_FRACTION = 0.01
+"""On the CPU backend vLLM reads free memory again after our reading; ask for
+1% (at least 16 MiB) less than what was free so that a few pages moving in
+between do not fail its gate."""
+
+
+def _cpu_gate_slack(free: int) -> int:
+    return max(16 * 2**20, int(free * CPU_GATE_SLACK_FRACTION))
+
+
+def _log_gate(gate: _Gate, utilization: float) -> None:
+    """One line per worker: what it requested at its first memory snapshot,
+    and when (the start-up lock's logs show the windows do not overlap)."""
+    wanted = int(gate.total * utilization)
+    if gate.limited_by_free:
+        logger.info(
+            "--gpu-memory-utilization %s asks for %s GiB of the %s, but %s GiB is "
+            "free at start-up; with %s the utilization is a ceiling, so this "
+            "instance requests %s GiB (memory snapshot at %.3f).",
+            utilization, format_gib(wanted), gate.device, format_gib(gate.free), FLAG,
+            format_gib(gate.requested), time.time(),
+        )
+    else:
+        logger.info(
+            "--gpu-memory-utilization %s requests %s GiB of the %s; %s GiB is free "
+            "at start-up (memory snapshot at %.3f).",
+            utilization, format_gib(gate.requested), gate.device, format_gib(gate.free), time.time(),
+        )
+
+
 def patch_gpu_worker(module: Any) -> None:
-    """Why: a cap above the free memory would let start-up pass and fail
-    later. How: wraps ``Worker.determine_available_memory`` (weights are
-    loaded, no KV cache allocated yet) to read ``torch.cuda.mem_get_info()``
-    first. Upstream: the same check where vLLM takes its memory snapshot."""
+    """Why: vLLM refuses to start unless ``gpu_memory_utilization`` x total is
+    free (``request_memory``), whatever the cap; and a cap above what the
+    device can still give this instance would silently not bind.
+    How: wraps the ``request_memory`` the GPU worker imported (with a cap,
+    the utilization becomes min(itself, free/total)), and
+    ``Worker.determine_available_memory`` (after vLLM's own profiling, the
+    cap against the budget when free memory set it; an explicit size against
+    the free memory first). Upstream: a per-instance memory limit in
+    ``request_memory``; the free-memory checks where vLLM profiles."""
+    if not _hook_ok("request_memory") or not hasattr(module, "request_memory"):
+        if os.environ.get(ERROR_RELAY_ENV):
+            _raise_cap_error(compat.drift_message(["vllm.v1.worker.gpu_worker.request_memory is missing"]))
+        return
+    _wrap(module, "request_memory", _ceiling_request_memory)
     if _hook_ok("Worker.determine_available_memory"):
-        _wrap(module.Worker, "determine_available_memory", functools.partial(_check_free_memory, _cuda_free_memory))
+        _wrap(module.Worker, "determine_available_memory", functools.partial(_check_cap_fits_instance, _cuda_free_memory))
+
+
+def _ceiling_request_memory(original: Callable) -> Callable:
+    def request_memory(init_snapshot: Any, cache_config: Any, external_weight_memory: int = 0, *args: Any, **kwargs: Any) -> Any:
+        global _gate
+        cap = cap_of(cache_config)
+        if cap is None:
+            return original(init_snapshot, cache_config, external_weight_memory, *args, **kwargs)
+        total, free = int(init_snapshot.total_memory), int(init_snapshot.free_memory)
+        utilization = cache_config.gpu_memory_utilization
+        ceiling = utilization_ceiling(total, free, utilization, external_weight_memory)
+        device = str(getattr(init_snapshot, "device_", None) or "GPU")
+        if ceiling:
+            lowered = copy.copy(cache_config)
+            lowered.gpu_memory_utilization = ceiling
+            requested = original(init_snapshot, lowered, external_weight_memory, *args, **kwargs)
+        else:
+            requested = original(init_snapshot, cache_config, external_weight_memory, *args, **kwargs)
+        _gate = _Gate(device, total, free, int(requested), bool(ceiling))
+        _log_gate(_gate, utilization)
+        return requested
+
+    return request_memory
 
 
 def patch_cpu_worker(module: Any) -> None:
-    """As ``patch_gpu_worker``, for ``CPUWorker.determine_available_memory``,
-    reading the available host memory that vLLM's CPU worker itself reads."""
-    if _hook_ok("CPUWorker.determine_available_memory") and _hook_ok("get_memory_node_info"):
-        _wrap(module.CPUWorker, "determine_available_memory", functools.partial(_check_free_memory, _cpu_free_memory))
+    """As ``patch_gpu_worker``, for vLLM's CPU worker, whose two gates are in
+    ``CPUWorker.__init__`` (``gpu_memory_utilization`` x the node's memory
+    must be available) and at the start of
+    ``CPUWorker.determine_available_memory`` (that request less the
+    worker's resident memory must still be available). How: with a cap,
+    ``__init__`` runs with the utilization lowered to what is available, and
+    ``requested_cpu_memory`` is lowered likewise before the second gate."""
+    if not (
+        _hook_ok("CPUWorker.__init__")
+        and _hook_ok("CPUWorker.determine_available_memory")
+        and _hook_ok("get_memory_node_info")
+    ):
+        return
+    _wrap(module.CPUWorker, "__init__", _ceiling_cpu_worker_init)
+    _wrap(module.CPUWorker, "determine_available_memory", functools.partial(_check_cap_fits_instance, _cpu_free_memory))
+
+
+def _ceiling_cpu_worker_init(original: Callable) -> Callable:
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        global _gate
+        cache_config = vllm_config.cache_config
+        if cap_of(cache_config) is None or cache_config.kv_cache_memory_bytes is not None:
+            # No cap, or an explicit size: vLLM skips the gate itself.
+            return original(self, vllm_config, *args, **kwargs)
+        free, total, device = _cpu_free_memory(self)
+        utilization = cache_config.gpu_memory_utilization
+        ceiling = utilization_ceiling(total, free, utilization, slack=_cpu_gate_slack(free))
+        if ceiling:
+            cache_config.gpu_memory_utilization = ceiling
+        try:
+            original(self, vllm_config, *args, **kwargs)
+        finally:
+            cache_config.gpu_memory_utilization = utilization
+        _gate = _Gate(device, total, free, int(self.requested_cpu_memory), bool(ceiling))
+        _log_gate(_gate, utilization)
+        return None
+
+    return __init__
+
+
+def _lower_cpu_request(worker: Any) -> None:
+    """The CPU worker's second gate, as a ceiling: what it requested, at most
+    its resident memory plus what is available now (less the slack)."""
+    import psutil
+
+    requested = getattr(worker, "requested_cpu_memory", None)
+    if _gate is None or requested is None:
+        return
+    free, _, _ = _cpu_free_memory(worker)
+    rss = psutil.Process().memory_info().rss
+    ceiling = rss + free - _cpu_gate_slack(free)
+    if ceiling < requested:
+        worker.requested_cpu_memory = max(ceiling, 0)
+        _gate.requested = worker.requested_cpu_memory
+        _gate.limited_by_free = True
+        _gate.free = min(_gate.free, free)
 
 
 def _cuda_free_memory(worker: Any) -> tuple[int, int, str]:
     import torch
 
+    # Memory torch caches but does not use is free for the KV cache.
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     return int(free), int(total), f"cuda:{torch.cuda.current_device()}"
 
@@ -451,15 +720,26 @@ def _cpu_free_memory(worker: Any) -> tuple[int, int, str]:
     return int(status.available_memory), int(status.total_memory), f"host memory node {node} (CPU backend)"
 
 
-def _check_free_memory(read_free: Callable[[Any], tuple[int, int, str]], original: Callable) -> Callable:
+def _check_cap_fits_instance(read_free: Callable[[Any], tuple[int, int, str]], original: Callable) -> Callable:
     def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
         cap = cap_of(self.cache_config)
-        if cap is not None:
-            free, total, device = read_free(self)
-            try:
-                check_cap_within_free(cap, free, total, device)
-            except KVCacheMaxMemoryError as exc:
-                _raise_cap_error(str(exc))
-        return original(self, *args, **kwargs)
+        if cap is None:
+            return original(self, *args, **kwargs)
+        explicit = self.cache_config.kv_cache_memory_bytes
+        try:
+            if explicit is not None:
+                # vLLM allocates exactly this much without measuring.
+                free, total, device = read_free(self)
+                check_explicit_size_within_free(min(explicit, cap), cap, free, total, device)
+                return original(self, *args, **kwargs)
+            if read_free is _cpu_free_memory:
+                _lower_cpu_request(self)
+            budget = original(self, *args, **kwargs)
+            gate = _gate
+            if gate is not None and gate.limited_by_free:
+                check_cap_within_instance(cap, int(budget), gate.free, gate.requested - int(budget), gate.device)
+            return budget
+        except KVCacheMaxMemoryError as exc:
+            _raise_cap_error(str(exc))
 
     return determine_available_memory

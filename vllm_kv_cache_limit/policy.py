@@ -9,6 +9,7 @@ errors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from vllm_kv_cache_limit.sizes import format_gib, format_size, parse_size
@@ -16,22 +17,21 @@ from vllm_kv_cache_limit.sizes import format_gib, format_size, parse_size
 __all__ = [
     "ENV_VAR",
     "FLAG",
-    "FREE_MEMORY_TOLERANCE",
     "CapDecision",
     "KVCacheMaxMemoryError",
-    "cap_budget",
     "cap_explicit_size",
     "cap_block_override",
-    "check_cap_within_free",
+    "check_cap_fits_before_load",
+    "check_explicit_size_within_free",
+    "check_cap_within_instance",
     "check_cap_within_total",
+    "utilization_ceiling",
     "resolve_cap",
     "too_small_message",
 ]
 
 FLAG = "--kv-cache-max-memory"
 ENV_VAR = "VLLM_KV_CACHE_MAX_MEMORY"
-FREE_MEMORY_TOLERANCE = 0.01
-"""A cap may exceed the free memory read in the worker by this fraction."""
 
 
 class KVCacheMaxMemoryError(ValueError):
@@ -76,13 +76,6 @@ class CapDecision:
     def bound(self) -> bool:
         """Whether the cap, not vLLM's budget, decides the KV cache size."""
         return self.cap < self.budget
-
-
-def cap_budget(budget: int, cap: int | None) -> CapDecision | None:
-    """Combine vLLM's budget for one worker with the cap (None: no cap)."""
-    if cap is None:
-        return None
-    return CapDecision(budget=budget, cap=cap)
 
 
 def cap_explicit_size(
@@ -134,24 +127,27 @@ def check_cap_within_total(cap: int, total: int, device: str) -> None:
         )
 
 
-def check_cap_within_free(
-    cap: int,
-    free: int,
-    total: int,
-    device: str,
-    tolerance: float = FREE_MEMORY_TOLERANCE,
+def check_explicit_size_within_free(
+    size: int, cap: int, free: int, total: int, device: str
 ) -> None:
-    """In the worker, after the weights load and before the KV cache is
-    allocated: a cap above the device's free memory (plus ``tolerance``)
-    would only fail later, so stop now."""
-    if cap > free * (1 + tolerance):
-        raise KVCacheMaxMemoryError(
-            f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) is larger "
-            f"than the free memory of the {device} after loading the model: "
-            f"{_gib(free)} free of {_gib(total)} total. Free memory on the "
-            f"device, or choose a cap that fits, for example "
-            f"{FLAG} {format_size(free, 'down')}."
-        )
+    """With an explicit KV cache size (``kv_cache_memory_bytes``, already
+    reduced to the cap), vLLM allocates exactly ``size`` without measuring:
+    in the worker, after the weights load and before the KV cache is
+    allocated, refuse a size above the free memory. No tolerance: vLLM would
+    allocate all of it."""
+    if size <= free:
+        return
+    source = (
+        f"{FLAG} {format_size(cap, 'up')}"
+        if size == cap
+        else f"--kv-cache-memory-bytes {size} (under {FLAG} {format_size(cap, 'up')})"
+    )
+    raise KVCacheMaxMemoryError(
+        f"The KV cache of {size} bytes ({_gib(size)}) set by {source} is larger "
+        f"than the free memory of the {device} after loading the model: "
+        f"{_gib(free)} free of {_gib(total)} total. Free memory on the device, "
+        f"or choose a size that fits, for example {FLAG} {format_size(free, 'down')}."
+    )
 
 
 def too_small_message(
@@ -177,4 +173,80 @@ def too_small_message(
         f"small for one request of max_model_len={max_model_len}, which needs "
         f"{needed} bytes ({_gib(needed)}) of KV cache, plus {reserved} bytes "
         f"that vLLM reserves (one block). {fit}"
+    )
+
+
+def utilization_ceiling(
+    total: int, free: int, utilization: float, external: int = 0, slack: int = 0
+) -> float | None:
+    """With a cap, ``--gpu-memory-utilization`` is a ceiling, not a demand.
+
+    vLLM asks for ``ceil(total * utilization)`` (less ``external``, weights
+    held by another process) and refuses to start when that much is not free.
+    Returns the utilization that asks for what is free less ``slack`` (so
+    that vLLM's own gate passes), or None when vLLM's request is free already.
+    """
+    requested = math.ceil(total * utilization) - external
+    if requested <= free:
+        return None
+    target = max(0, free - slack) + external
+    ceiling = min(utilization, target / total)
+    while ceiling > 0 and math.ceil(total * ceiling) - external > free - slack:
+        ceiling = math.nextafter(ceiling, 0.0)
+    return max(ceiling, 0.0)
+
+
+def check_cap_within_instance(
+    cap: int, budget: int, free_at_start: int, non_kv: int, device: str
+) -> None:
+    """After the weights load and activations are profiled, on a device whose
+    free memory (not ``--gpu-memory-utilization``) limited vLLM's budget: a
+    cap above the budget cannot be given to this instance, because other
+    processes hold the rest of the device."""
+    if cap <= budget:
+        return
+    fit = (
+        f"Choose a cap that fits, for example {FLAG} {format_size(budget, 'down')}, "
+        if budget > 0
+        else "Nothing is left for the KV cache; "
+    )
+    raise KVCacheMaxMemoryError(
+        f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) is larger than "
+        f"what the {device} can still give this instance: {_gib(free_at_start)} "
+        f"({free_at_start} bytes) was free at start-up (other processes hold the "
+        f"rest), and this instance needs {_gib(non_kv)} ({non_kv} bytes) besides "
+        f"its KV cache (weights, activations, runtime), which leaves "
+        f"{_gib(max(budget, 0))} ({max(budget, 0)} bytes) for the KV cache. "
+        f"{fit}or free memory held by other processes."
+    )
+
+
+def check_cap_fits_before_load(
+    cap: int, weight_bytes: int, workers: int, free: int, device: str
+) -> None:
+    """In the first process, before any weights load: refuse a cap that cannot
+    possibly fit, that is when ``workers`` KV caches of ``cap`` bytes plus the
+    ``weight_bytes`` these workers load (a lower bound) exceed the ``free``
+    memory of their devices. Anything else may fit and is left to the
+    workers' checks."""
+    need = weight_bytes + workers * cap
+    if need <= free:
+        return
+    per_worker = (free - weight_bytes) // workers if workers else 0
+    weights = (
+        f"the model's weights take at least {_gib(weight_bytes)} ({weight_bytes} bytes) "
+        f"there and " if weight_bytes else ""
+    )
+    caps = f"{workers} x the cap" if workers > 1 else "the cap"
+    fit = (
+        f"Choose at most {FLAG} {format_size(per_worker, 'down')}, or free memory "
+        f"held by other processes."
+        if per_worker > 0
+        else "The weights alone do not fit in the free memory; free memory held "
+        "by other processes."
+    )
+    raise KVCacheMaxMemoryError(
+        f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) cannot fit on "
+        f"the {device}: {weights}{_gib(free)} ({free} bytes) is free, less than "
+        f"{caps} plus the weights ({_gib(need)}, {need} bytes). {fit}"
     )
