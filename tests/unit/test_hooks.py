@@ -16,6 +16,7 @@ from vllm_kv_cache_limit import _bootstrap, register
 from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
 
 GiB = 2**30
+MiB = 2**20
 # EngineArgs resolves the model path offline; any local folder will do here.
 LOCAL_MODEL = str(Path(__file__).parent)
 
@@ -104,47 +105,178 @@ def test_help_topic_shows_the_flag() -> None:
         assert "upper bound" in out.stdout.lower()
 
 
-# --- CUDA validation path: no GPU here, so torch.cuda is mocked ------------
+# --- CUDA path: no GPU here, so torch.cuda and NVML are mocked -------------
 
 
-def _gpu_worker(cap: int | None):
-    return SimpleNamespace(cache_config=SimpleNamespace(kv_cache_max_memory=cap))
+def _cache_config(utilization: float, cap: int | None):
+    """vLLM's own CacheConfig, carrying the cap as the engine config does."""
+    from vllm.config import CacheConfig
+
+    config = CacheConfig(gpu_memory_utilization=utilization)
+    config.kv_cache_max_memory = cap
+    return config
 
 
-def test_cuda_free_memory_check_refuses_before_profiling(mocker) -> None:
+def _snapshot(total: int, free: int):
+    return SimpleNamespace(total_memory=total, free_memory=free, device_="cuda:0")
+
+
+def test_cuda_gate_refuses_without_cap_and_asks_for_free_memory_with_one() -> None:
+    """vLLM's own ``request_memory`` (the function vLLM 0.33's GPU worker
+    calls in ``init_device``), wrapped as the plugin wraps it."""
+    from vllm.v1.worker.utils import request_memory
+
     from vllm_kv_cache_limit import _hooks
 
-    mocker.patch("torch.cuda.mem_get_info", return_value=(10 * GiB, 80 * GiB))
-    mocker.patch("torch.cuda.current_device", return_value=0)
-    original = mocker.Mock(return_value=12 * GiB)
-    wrapped = _hooks._check_free_memory(_hooks._cuda_free_memory, original)
+    wrapped = _hooks._ceiling_request_memory(request_memory)
+    snapshot = _snapshot(80 * GiB, 20 * GiB)  # another instance holds 60 GiB
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
+        wrapped(snapshot, _cache_config(0.9, None))  # the premise: vLLM alone refuses
+    config = _cache_config(0.9, 8 * GiB)
+    requested = wrapped(snapshot, config)
+    assert 20 * GiB - 1 <= requested <= 20 * GiB
+    assert config.gpu_memory_utilization == 0.9  # the caller's config is untouched
+    assert _hooks._gate.limited_by_free and _hooks._gate.free == 20 * GiB
+    # Weights held by another process (external_weight_memory) count as vLLM counts them.
+    with pytest.raises(ValueError, match="engine's budget after excluding"):
+        wrapped(snapshot, _cache_config(0.9, None), 10 * GiB)
+    assert 20 * GiB - 1 <= wrapped(snapshot, _cache_config(0.9, 8 * GiB), 10 * GiB) <= 20 * GiB
+
+
+@pytest.mark.parametrize(("utilization", "free"), [(0.9, 79 * GiB), (0.3, 30 * GiB)])
+def test_cuda_gate_unchanged_when_the_utilization_is_free(utilization: float, free: int) -> None:
+    from vllm.v1.worker.utils import request_memory
+
+    from vllm_kv_cache_limit import _hooks
+
+    snapshot = _snapshot(80 * GiB, free)
+    expected = request_memory(snapshot, _cache_config(utilization, None))
+    assert _hooks._ceiling_request_memory(request_memory)(snapshot, _cache_config(utilization, 8 * GiB)) == expected
+    assert not _hooks._gate.limited_by_free
+
+
+def _gpu_worker(cap: int | None, explicit: int | None = None):
+    return SimpleNamespace(cache_config=SimpleNamespace(kv_cache_max_memory=cap, kv_cache_memory_bytes=explicit))
+
+
+def _gate(mocker, *, free: int, requested: int, limited: bool) -> None:
+    from vllm_kv_cache_limit import _hooks
+
+    mocker.patch.object(_hooks, "_gate", _hooks._Gate("cuda:0", 80 * GiB, free, requested, limited))
+
+
+def test_cuda_cap_above_what_the_instance_can_get_fails_after_profiling(mocker) -> None:
+    from vllm_kv_cache_limit import _hooks
+
+    _gate(mocker, free=20 * GiB, requested=20 * GiB, limited=True)
+    original = mocker.Mock(return_value=6 * GiB)  # vLLM's budget after profiling
+    wrapped = _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, original)
     with pytest.raises(KVCacheMaxMemoryError) as info:
-        wrapped(_gpu_worker(11 * GiB))
-    assert "10.00 GiB free of 80.00 GiB total" in str(info.value)
-    assert "cuda:0" in str(info.value)
-    original.assert_not_called()  # vLLM's profiling and KV sizing never ran
+        wrapped(_gpu_worker(8 * GiB))
+    message = str(info.value)
+    assert "can still give this instance" in message and "needs 14.00 GiB" in message
+    assert "--kv-cache-max-memory 6GiB" in message
+    assert wrapped(_gpu_worker(6 * GiB)) == 6 * GiB
 
 
-def test_cuda_free_memory_check_passes_within_tolerance(mocker) -> None:
+def test_cuda_cap_above_a_utilization_budget_is_not_an_error(mocker) -> None:
     from vllm_kv_cache_limit import _hooks
 
-    mem_get_info = mocker.patch("torch.cuda.mem_get_info", return_value=(10 * GiB, 80 * GiB))
+    _gate(mocker, free=70 * GiB, requested=24 * GiB, limited=False)  # --gpu-memory-utilization 0.3
+    original = mocker.Mock(return_value=10 * GiB)
+    mem_get_info = mocker.patch("torch.cuda.mem_get_info")
+    assert _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, original)(_gpu_worker(40 * GiB)) == 10 * GiB
+    mem_get_info.assert_not_called()
+
+
+def test_cuda_explicit_size_checked_against_free_memory_after_empty_cache(mocker) -> None:
+    from vllm_kv_cache_limit import _hooks
+
+    calls = []
+    mocker.patch("torch.cuda.empty_cache", side_effect=lambda: calls.append("empty_cache"))
+    mocker.patch("torch.cuda.mem_get_info", side_effect=lambda: calls.append("mem_get_info") or (10 * GiB, 80 * GiB))
     mocker.patch("torch.cuda.current_device", return_value=0)
-    original = mocker.Mock(return_value=12 * GiB)
-    wrapped = _hooks._check_free_memory(_hooks._cuda_free_memory, original)
-    worker = _gpu_worker(int(10 * GiB * 1.005))
-    assert wrapped(worker) == 12 * GiB
-    original.assert_called_once_with(worker)
-    mem_get_info.assert_called_once()
+    original = mocker.Mock(return_value=4 * GiB)
+    wrapped = _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, original)
+    # --kv-cache-memory-bytes 4G --kv-cache-max-memory 130G: 4 GiB fits.
+    assert wrapped(_gpu_worker(130 * GiB, 4 * GiB)) == 4 * GiB
+    assert calls == ["empty_cache", "mem_get_info"]
+    original.reset_mock()
+    with pytest.raises(KVCacheMaxMemoryError) as info:  # no tolerance
+        wrapped(_gpu_worker(10 * GiB + 1, 10 * GiB + 1))
+    assert "10.00 GiB free of 80.00 GiB total" in str(info.value) and "cuda:0" in str(info.value)
+    original.assert_not_called()  # vLLM never profiled nor allocated
 
 
-def test_cuda_check_skipped_without_cap(mocker) -> None:
+def test_cuda_checks_skipped_without_cap(mocker) -> None:
     from vllm_kv_cache_limit import _hooks
 
     mem_get_info = mocker.patch("torch.cuda.mem_get_info")
     original = mocker.Mock(return_value=5)
-    assert _hooks._check_free_memory(_hooks._cuda_free_memory, original)(_gpu_worker(None)) == 5
+    assert _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, original)(_gpu_worker(None)) == 5
     mem_get_info.assert_not_called()
+
+
+def _cuda_platform(mocker, count: int = 2):
+    platform = mocker.Mock()
+    platform.is_cpu.return_value = False
+    platform.device_type = "cuda"
+    platform.device_count.return_value = count
+    platform.get_device_uuid.side_effect = lambda i: f"GPU-uuid-{i}"
+    platform.device_id_to_physical_device_id.side_effect = lambda i: i
+    mocker.patch("vllm.platforms.current_platform", platform)
+    return platform
+
+
+def _engine_config(model: str, world: int, quantization: str | None = None):
+    import torch
+
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(world_size=world),
+        model_config=SimpleNamespace(model=model, dtype=torch.bfloat16, quantization=quantization, revision=None),
+    )
+
+
+def test_cuda_fail_fast_weights_plus_caps_against_nvml_free(mocker, tmp_path: Path) -> None:
+    """Before any weights load, in the first process: NVML's free memory of
+    each local GPU, no CUDA context."""
+    from safetensors.torch import save_file
+    import torch
+
+    from vllm_kv_cache_limit import _hooks
+
+    save_file({"w": torch.zeros(1024, 1024, dtype=torch.float32)}, tmp_path / "model.safetensors")
+    weights = 1024 * 1024 * 2  # loaded as bfloat16
+    _cuda_platform(mocker)
+    free = {0: 100 * MiB, 1: 100 * MiB}
+    nvml = mocker.patch.object(_hooks, "_nvml_free", side_effect=lambda i: free[i])
+    cuda_init = mocker.patch("torch.cuda.init")
+    config = _engine_config(str(tmp_path), world=2)
+    _hooks._check_fits_before_load(config, (200 * MiB - weights) // 2)  # fits exactly
+    with pytest.raises(KVCacheMaxMemoryError) as info:
+        _hooks._check_fits_before_load(config, (200 * MiB - weights) // 2 + 1)
+    assert "cuda:0 (GPU-uuid-0) + cuda:1 (GPU-uuid-1)" in str(info.value)
+    assert f"weights take at least 2MiB ({weights} bytes)" in str(info.value)
+    assert sorted(c.args[0] for c in nvml.call_args_list) == [0, 0, 1, 1]
+    cuda_init.assert_not_called()
+    # On-the-fly quantization may shrink the weights: only the caps count then.
+    _hooks._check_fits_before_load(_engine_config(str(tmp_path), 2, "fp8"), 100 * MiB)
+
+
+def test_cuda_fail_fast_skipped_when_nvml_fails(mocker, tmp_path: Path) -> None:
+    from vllm_kv_cache_limit import _hooks
+
+    _cuda_platform(mocker)
+    mocker.patch.object(_hooks, "_nvml_free", side_effect=RuntimeError("NVML Shared Library Not Found"))
+    _hooks._check_fits_before_load(_engine_config(str(tmp_path), 1), 100 * GiB)  # no refusal
+
+
+def test_startup_lock_names_each_local_gpu_by_uuid(mocker) -> None:
+    from vllm_kv_cache_limit import _hooks
+
+    _cuda_platform(mocker, count=4)
+    devices, workers = _hooks._instance_devices(SimpleNamespace(parallel_config=SimpleNamespace(world_size=2)))
+    assert [d.key for d in devices] == ["GPU-uuid-0", "GPU-uuid-1"] and workers == 2
 
 
 def test_cuda_fail_fast_uses_nvml_total(mocker) -> None:

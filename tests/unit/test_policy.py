@@ -9,12 +9,14 @@ from vllm_kv_cache_limit.policy import (
     CapDecision,
     KVCacheMaxMemoryError,
     cap_block_override,
-    cap_budget,
     cap_explicit_size,
-    check_cap_within_free,
+    check_cap_fits_before_load,
+    check_cap_within_instance,
     check_cap_within_total,
+    check_explicit_size_within_free,
     resolve_cap,
     too_small_message,
+    utilization_ceiling,
 )
 from vllm_kv_cache_limit.sizes import parse_size
 
@@ -32,14 +34,9 @@ GiB = 2**30
     ],
 )
 def test_budget_vs_cap(budget: int, cap: int, kv_bytes: int, bound: bool) -> None:
-    decision = cap_budget(budget, cap)
-    assert decision == CapDecision(budget=budget, cap=cap)
+    decision = CapDecision(budget=budget, cap=cap)
     assert decision.kv_bytes == kv_bytes
     assert decision.bound is bound
-
-
-def test_no_cap_no_decision() -> None:
-    assert cap_budget(10 * GiB, None) is None
 
 
 @pytest.mark.parametrize(
@@ -102,24 +99,88 @@ def test_total_check() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cap", "free", "fails"),
+    ("size", "cap", "free", "fails"),
     [
-        (8 * GiB, 8 * GiB, False),
-        (int(8 * GiB * 1.01), 8 * GiB, False),  # within the 1% tolerance
-        (int(8 * GiB * 1.01) + 1, 8 * GiB, True),
-        (9 * GiB, 8 * GiB, True),
+        (8 * GiB, 8 * GiB, 8 * GiB, False),
+        (8 * GiB + 1, 16 * GiB, 8 * GiB, True),  # no tolerance: vLLM allocates all of it
+        (4 * GiB, 130 * GiB, 8 * GiB, False),  # min(explicit, cap) is what counts
+        (9 * GiB, 9 * GiB, 8 * GiB, True),
     ],
 )
-def test_free_check_tolerance(cap: int, free: int, fails: bool) -> None:
+def test_explicit_size_against_free_memory(size: int, cap: int, free: int, fails: bool) -> None:
     if not fails:
-        check_cap_within_free(cap, free, 80 * GiB, "cuda:0")
+        check_explicit_size_within_free(size, cap, free, 80 * GiB, "cuda:0")
         return
     with pytest.raises(KVCacheMaxMemoryError) as info:
-        check_cap_within_free(cap, free, 80 * GiB, "cuda:0")
+        check_explicit_size_within_free(size, cap, free, 80 * GiB, "cuda:0")
     message = str(info.value)
-    assert "--kv-cache-max-memory" in message and "8.00 GiB free of 80.00 GiB total" in message
+    assert f"The KV cache of {size} bytes" in message
+    assert "8.00 GiB free of 80.00 GiB total" in message
+    assert ("--kv-cache-memory-bytes" in message) is (size != cap)
     suggested = message.rsplit("--kv-cache-max-memory ", 1)[1].rstrip(".")
     assert parse_size(suggested) <= free
+
+
+@pytest.mark.parametrize(
+    ("total", "free", "utilization", "external", "slack"),
+    [
+        (80 * GiB, 20 * GiB, 0.9, 0, 0),
+        (80 * GiB + 12345, 20 * GiB + 777, 0.9, 0, 0),
+        (9_005_272 * 1024, 7_290_000_000, 0.92, 0, 72_900_000),
+        (80 * GiB, 20 * GiB, 0.9, 10 * GiB, 0),
+        (80 * GiB, 3, 0.5, 0, 0),
+    ],
+)
+def test_utilization_ceiling_asks_for_what_is_free(total: int, free: int, utilization: float, external: int, slack: int) -> None:
+    import math
+
+    assert math.ceil(total * utilization) - external > free  # the premise: vLLM would refuse
+    ceiling = utilization_ceiling(total, free, utilization, external, slack)
+    assert ceiling is not None and 0 <= ceiling < utilization
+    requested = math.ceil(total * ceiling) - external
+    assert requested <= free - slack  # vLLM's gate passes
+    assert requested >= free - slack - 2  # and asks for (nearly) all of it
+
+
+def test_utilization_ceiling_leaves_a_free_request_alone() -> None:
+    assert utilization_ceiling(80 * GiB, 72 * GiB, 0.9) is None
+    assert utilization_ceiling(80 * GiB, 30 * GiB, 0.3) is None  # an explicit lower utilization
+    assert utilization_ceiling(80 * GiB, 20 * GiB, 0.9, external=60 * GiB) is None
+
+
+def test_cap_within_instance() -> None:
+    check_cap_within_instance(8 * GiB, 8 * GiB, 20 * GiB, 12 * GiB, "cuda:0")
+    with pytest.raises(KVCacheMaxMemoryError) as info:
+        check_cap_within_instance(10 * GiB, 6 * GiB, 20 * GiB, 14 * GiB, "cuda:0")
+    message = str(info.value)
+    assert message.startswith("--kv-cache-max-memory 10GiB (10737418240 bytes, 10.00 GiB)")
+    assert "what the cuda:0 can still give this instance" in message
+    assert "20.00 GiB (21474836480 bytes) was free at start-up" in message
+    assert "needs 14.00 GiB (15032385536 bytes) besides its KV cache" in message
+    assert "leaves 6.00 GiB" in message
+    assert "--kv-cache-max-memory 6GiB" in message
+    with pytest.raises(KVCacheMaxMemoryError, match="Nothing is left for the KV cache"):
+        check_cap_within_instance(1 * GiB, -5, 2 * GiB, 2 * GiB, "cuda:0")
+
+
+def test_cap_fits_before_load() -> None:
+    check_cap_fits_before_load(4 * GiB, 2 * GiB, 1, 6 * GiB, "cuda:0")
+    check_cap_fits_before_load(2 * GiB, 4 * GiB, 2, 8 * GiB, "cuda:0 + cuda:1")
+    with pytest.raises(KVCacheMaxMemoryError) as info:
+        check_cap_fits_before_load(4 * GiB, 2 * GiB, 1, 5 * GiB, "cuda:0")
+    message = str(info.value)
+    assert "cannot fit on the cuda:0" in message
+    assert "weights take at least 2.00 GiB" in message and "5.00 GiB (5368709120 bytes) is free" in message
+    assert "Choose at most --kv-cache-max-memory 3GiB" in message
+    with pytest.raises(KVCacheMaxMemoryError) as info:
+        check_cap_fits_before_load(2 * GiB, 4 * GiB, 2, 7 * GiB, "cuda:0 + cuda:1")
+    assert "2 x the cap plus the weights" in str(info.value)
+    assert "--kv-cache-max-memory 1.5GiB" in str(info.value)
+    with pytest.raises(KVCacheMaxMemoryError, match="The weights alone do not fit"):
+        check_cap_fits_before_load(1 * GiB, 8 * GiB, 1, 6 * GiB, "cuda:0")
+    with pytest.raises(KVCacheMaxMemoryError) as info:  # weights unknown: the cap alone
+        check_cap_fits_before_load(8 * GiB, 0, 1, 6 * GiB, "host memory node 0")
+    assert "weights take" not in str(info.value)
 
 
 def test_too_small_message_names_flag_need_and_fit() -> None:

@@ -1,0 +1,131 @@
+"""The per-device start-up lock: exclusive between processes, waits saying
+for whom, times out with a warning, dies with its holder, and never follows
+a planted symbolic link."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_kv_cache_limit import startup_lock
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from vllm_kv_cache_limit import startup_lock
+    held = startup_lock.acquire([(sys.argv[2], "test device")], folder=sys.argv[1], timeout=0)
+    print("HELD" if held.held else "NOT HELD", flush=True)
+    time.sleep(float(sys.argv[3]))
+    held.release()
+    """
+)
+
+
+def hold(folder: Path, key: str, seconds: float) -> subprocess.Popen:
+    """A process that holds ``key``'s lock for ``seconds``; returns once held."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder), key, str(seconds)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "HELD"
+    return proc
+
+
+def test_second_process_waits_for_the_holder_and_names_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    holder = hold(tmp_path, "cpu-node0", 1.5)
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
+        held = startup_lock.acquire([("cpu-node0", "host memory node 0")], folder=str(tmp_path), timeout=30)
+        waited = time.monotonic() - started
+        held.release()
+    holder.wait(timeout=30)
+    assert 0.5 < waited < 30
+    assert f"held by pid {holder.pid}" in caplog.text
+    assert "Waiting for the KV cache start-up lock of host memory node 0" in caplog.text
+    assert "acquired for host memory node 0 after waiting" in caplog.text
+    assert "released for host memory node 0" in caplog.text
+
+
+def test_timeout_starts_without_the_lock_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    holder = hold(tmp_path, "GPU-abc", 10)
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
+            held = startup_lock.acquire([("GPU-abc", "cuda:0")], folder=str(tmp_path), timeout=0.3)
+        assert held.held == []
+        assert "Gave up waiting for the KV cache start-up lock of cuda:0" in caplog.text
+        assert f"pid {holder.pid}" in caplog.text
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_lock_dies_with_its_holder(tmp_path: Path) -> None:
+    holder = hold(tmp_path, "cpu-node0", 60)
+    holder.kill()
+    holder.wait()
+    started = time.monotonic()
+    with startup_lock.acquire([("cpu-node0", "node 0")], folder=str(tmp_path), timeout=5) as held:
+        assert held.held
+    assert time.monotonic() - started < 2
+
+
+def test_locks_are_taken_in_key_order(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Instances locking several GPUs take them in one order: none can hold
+    one GPU while waiting for another held by an instance waiting for it."""
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
+        with startup_lock.acquire([("GPU-b", "cuda:1"), ("GPU-a", "cuda:0"), ("GPU-b", "cuda:1")], folder=str(tmp_path), timeout=1) as held:
+            assert [label for label, _ in held.held] == ["cuda:0", "cuda:1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["GPU-a.lock", "GPU-b.lock"]
+
+
+def test_planted_symlink_lock_file_is_refused_and_its_target_untouched(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    target = tmp_path / "victim"
+    target.write_text("precious")
+    folder = tmp_path / "locks"
+    folder.mkdir()
+    (folder / "cpu-node0.lock").symlink_to(target)
+    with pytest.raises(startup_lock.LockSetupError, match="is a symbolic link"):
+        startup_lock.open_lock_file(str(folder), "cpu-node0")
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.kv_cache_limit"):
+        held = startup_lock.acquire([("cpu-node0", "node 0")], folder=str(folder), timeout=1)
+    assert held.held == [] and "No KV cache start-up lock for node 0" in caplog.text
+    assert target.read_text() == "precious"
+
+
+def test_planted_symlink_lock_folder_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "elsewhere"
+    real.mkdir()
+    (tmp_path / "locks").symlink_to(real)
+    with pytest.raises(startup_lock.LockSetupError, match="not a plain folder"):
+        startup_lock.open_lock_file(str(tmp_path / "locks"), "cpu-node0")
+    assert list(real.iterdir()) == []
+
+
+def test_new_lock_folder_is_shared_and_sticky(tmp_path: Path) -> None:
+    folder = tmp_path / "locks"
+    os.close(startup_lock.open_lock_file(str(folder), "GPU-x"))
+    assert folder.stat().st_mode & 0o7777 == 0o1777
+    assert (folder / "GPU-x.lock").stat().st_mode & 0o777 == 0o666
+
+
+def test_lock_file_names_are_plain() -> None:
+    assert startup_lock.lock_name("GPU-1a2b-3c") == "GPU-1a2b-3c.lock"
+    assert startup_lock.lock_name("../../etc/passwd") == ".._.._etc_passwd.lock"
+
+
+def test_settings_from_the_environment() -> None:
+    assert startup_lock.enabled({})
+    assert not startup_lock.enabled({startup_lock.LOCK_ENV: "0"})
+    assert startup_lock.lock_timeout({}) == startup_lock.DEFAULT_TIMEOUT_S
+    assert startup_lock.lock_timeout({startup_lock.LOCK_TIMEOUT_ENV: "2.5"}) == 2.5
+    assert startup_lock.lock_dir({startup_lock.LOCK_DIR_ENV: "/srv/locks"}) == "/srv/locks"
+    for bad in ("soon", "-1", "nan"):
+        with pytest.raises(ValueError, match=f"VLLM_KV_CACHE_LIMIT_LOCK_TIMEOUT='{bad}' is not a number of seconds"):
+            startup_lock.lock_timeout({startup_lock.LOCK_TIMEOUT_ENV: bad})
