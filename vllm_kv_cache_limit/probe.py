@@ -50,6 +50,16 @@ def worker_kv_cache_bytes(worker: Any) -> int:
     return sum(nbytes for nbytes, _ in kv_cache_storages(worker).values())
 
 
+class KVCacheProbe:
+    """Worker extension for servers under test
+    (``--worker-extension-cls vllm_kv_cache_limit.probe.KVCacheProbe``): with
+    ``VLLM_SERVER_DEV_MODE=1``, ``POST /collective_rpc {"method":
+    "kv_cache_bytes"}`` returns each worker's KV cache bytes."""
+
+    def kv_cache_bytes(self) -> int:
+        return worker_kv_cache_bytes(self)
+
+
 def worker_rss_bytes(worker: Any) -> int:
     """Resident memory of the worker process."""
     import psutil

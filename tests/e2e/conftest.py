@@ -63,6 +63,65 @@ def run_probe(spec: dict[str, Any], env: dict[str, str] | None = None) -> tuple[
     return json.loads(lines[-1][len(RESULT_PREFIX):]), log
 
 
+def node_memory() -> tuple[int, int]:
+    """(available, total) bytes of the CPU backend's device, read as vLLM
+    reads it: the memory node of the first allowed CPU."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+    info = get_memory_node_info(get_allowed_cpu_list()[0].numa_node)
+    return int(info.available_memory), int(info.total_memory)
+
+
+BALLAST = (
+    "import sys, time\n"
+    "held = bytearray(int(sys.argv[1]))\n"
+    "held[::4096] = b'\\x01' * len(range(0, len(held), 4096))  # every page resident\n"
+    "print('READY', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+@contextlib.contextmanager
+def ballast(nbytes: int) -> Iterator[None]:
+    """Another process holding ``nbytes`` of resident memory while the block
+    runs (it ends when its standard input closes, so it never outlives the
+    test)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BALLAST, str(max(0, nbytes))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+        time.sleep(0.5)  # let the node's counters settle
+        yield
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def available_at_most(fraction: float) -> Iterator[tuple[int, int]]:
+    """Hold ballast so that at most ``fraction`` of the node is available,
+    assert that premise, and yield (available, total) as it then stands."""
+    with contextlib.ExitStack() as stack:
+        for _ in range(4):  # the node's counters move: top up until it holds
+            available, total = node_memory()
+            if available < fraction * total:
+                break
+            stack.enter_context(ballast(available - int(fraction * total) + 128 * 2**20))
+        available, total = node_memory()
+        assert available < fraction * total, (
+            f"premise not met: {available} of {total} bytes available, "
+            f"wanted under {fraction:.0%}"
+        )
+        yield available, total
+
+
 @pytest.fixture(scope="session")
 def probe(tiny_model: str):
     """``probe(**llm_kwargs)`` starts the tiny model with BASE_ENGINE_ARGS
