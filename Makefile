@@ -37,7 +37,7 @@ model: install $(MODEL)/.complete
 serve: install model
 	$(VPY) -m vllm.entrypoints.openai.api_server --model $(MODEL) \
 		--served-model-name tiny-llama --host $(HOST) --port $(PORT) \
-		--max-model-len 1024 --gpu-memory-utilization 0.3 \
+		--max-model-len 1024 \
 		--kv-cache-max-memory $(KV_CACHE_MAX_MEMORY)
 
 test: install

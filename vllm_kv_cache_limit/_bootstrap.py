@@ -38,6 +38,9 @@ HOOKED_MODULES: dict[str, str] = {
 _lock = _thread.RLock()
 _done: set[str] = set()
 _installed = False
+failed: dict[str, str] = {}
+"""Hooked vLLM module -> why its hook could not be installed. With a cap in
+force start-up stops on any entry (fail closed)."""
 
 
 def plugin_allowed(environ: dict[str, str] | os._Environ = os.environ) -> bool:
@@ -53,21 +56,55 @@ def _run_hook(module: object) -> None:
         if module.__name__ in _done:
             return
         _done.add(module.__name__)
+    hook = HOOKED_MODULES[module.__name__]
     try:
         hooks = importlib.import_module("vllm_kv_cache_limit._hooks")
-        getattr(hooks, HOOKED_MODULES[module.__name__])(module)
+        getattr(hooks, hook)(module)
     except Exception as exc:
         from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
 
         if isinstance(exc, KVCacheMaxMemoryError):
             raise  # a cap is in force and cannot be enforced: stop
-        # Otherwise never break the import of a vLLM module.
+        failed[module.__name__] = f"{hook} on {module.__name__} failed: {exc!r}"
+        if cap_in_force():
+            # Fail closed: never run with the cap silently unenforced.
+            message = hook_failure_message([failed[module.__name__]])
+            try:
+                hooks = importlib.import_module("vllm_kv_cache_limit._hooks")
+                hooks._raise_cap_error(message)
+            except KVCacheMaxMemoryError:
+                raise
+            except Exception:
+                pass
+            raise KVCacheMaxMemoryError(message) from exc
+        # Without a cap, never break the import of a vLLM module.
         import logging
 
-        logging.getLogger(__name__).warning(
+        logging.getLogger("vllm.plugins.kv_cache_limit").warning(
             "vllm-kv-cache-limit could not hook %s (%r); the plugin is inactive "
-            "for it.", module.__name__, exc
+            "for it, and --kv-cache-max-memory would stop start-up.", module.__name__, exc
         )
+
+
+def cap_in_force(environ: dict[str, str] | os._Environ = os.environ) -> bool:
+    """Whether this process belongs to an engine started with a cap: an
+    engine-core or worker process of one (the error relay is armed), or any
+    process with ``VLLM_KV_CACHE_MAX_MEMORY`` set."""
+    return bool(
+        environ.get("VLLM_KV_CACHE_LIMIT_ERROR_FILE")
+        or environ.get("VLLM_KV_CACHE_MAX_MEMORY", "").strip()
+    )
+
+
+def hook_failure_message(problems: list[str]) -> str:
+    """The error for hooks that could not be installed under a cap."""
+    return (
+        "vllm-kv-cache-limit could not install its hooks into vLLM, so "
+        "--kv-cache-max-memory cannot be enforced and start-up stops: "
+        + "; ".join(problems)
+        + ". Run without --kv-cache-max-memory (and VLLM_KV_CACHE_MAX_MEMORY), "
+        "or report this with your vLLM version."
+    )
 
 
 class _HookLoader:

@@ -251,6 +251,10 @@ def _carry_cap_into_config(original: Callable) -> Callable:
             # No cap in force for the processes this engine starts.
             os.environ.pop(ERROR_RELAY_ENV, None)
             return original(self, *args, **kwargs)
+        from vllm_kv_cache_limit import _bootstrap
+
+        if _bootstrap.failed:
+            raise KVCacheMaxMemoryError(_bootstrap.hook_failure_message(sorted(_bootstrap.failed.values())))
         total, device = _device_total_memory()
         check_cap_within_total(cap, total, device)
         problems = compat.check_hooks_at_startup()

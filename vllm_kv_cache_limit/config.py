@@ -29,9 +29,16 @@ class KVCacheLimitConfig:
     - With `--num-gpu-blocks-override`: reduced, with a warning, to the number
       of whole blocks that fit in the cap.
 
+    With a cap, `--gpu-memory-utilization` is a ceiling, not a demand: the
+    instance asks for the smaller of it and the memory free at start-up, so it
+    starts beside other processes in any order; capped instances take a
+    start-up lock per device so that their memory measurements never overlap.
+
     Start-up fails with a clear error when the cap is above the device's total
-    memory (before weights load), above its free memory once the weights are
-    loaded (1% tolerance), or too small for one request of max_model_len.
+    memory, when the cap plus the model's weights cannot fit in the free memory
+    (both before weights load), when the cap is above what the device can still
+    give this instance after profiling, or when it is too small for one request
+    of max_model_len.
 
     Units: K M G T are binary and k m g t decimal, as in vLLM's other size
     arguments; KiB MiB GiB TiB (binary) and KB MB GB TB (decimal) in any case;

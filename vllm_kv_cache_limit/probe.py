@@ -14,10 +14,17 @@ tensors), ``num_gpu_blocks``, ``block_size``, ``texts`` and, on failure,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 RESULT_PREFIX = "PROBE_RESULT "
@@ -109,6 +116,80 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         result["error"] = str(exc)
         result["error_mro"] = [c.__name__ for c in type(exc).__mro__]
     return result
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """One OpenAI API server started by :func:`api_servers`."""
+
+    base: str
+    log_path: Path
+    ready_s: float | None = None
+    """Seconds from the common launch until /health answered; None if it never did."""
+    returncode: int | None = None
+    """Exit status when it exited before it was ready."""
+
+
+@contextlib.contextmanager
+def api_servers(
+    servers: dict[str, tuple[list[str], dict[str, str]]],
+    folder: Path,
+    timeout: float = 300.0,
+    cwd: Path | None = None,
+) -> Iterator[dict[str, Server]]:
+    """Start one OpenAI API server per name (its CLI arguments after
+    ``--host/--port``, and its environment) at the same instant, wait until
+    each answers /health or exits, yield them, then stop them all, process
+    groups included. Python's ``requests`` is needed."""
+    import requests
+
+    procs: dict[str, tuple[subprocess.Popen, Server]] = {}
+    try:
+        launched = time.monotonic()
+        for name, (args, env) in servers.items():
+            port = free_port()
+            log_path = folder / f"{name}.log"
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                     "--host", "127.0.0.1", "--port", str(port), *args],
+                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                    start_new_session=True,
+                )
+            procs[name] = (proc, Server(f"http://127.0.0.1:{port}", log_path))
+        pending = set(procs)
+        while pending and time.monotonic() < launched + timeout:
+            for name in sorted(pending):
+                proc, server = procs[name]
+                if proc.poll() is not None:
+                    server.returncode = proc.returncode
+                    pending.discard(name)
+                    continue
+                try:
+                    if requests.get(f"{server.base}/health", timeout=2).status_code == 200:
+                        server.ready_s = time.monotonic() - launched
+                        pending.discard(name)
+                except requests.ConnectionError:
+                    pass
+            time.sleep(0.5)
+        yield {name: server for name, (_, server) in procs.items()}
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc, _ in procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def main() -> None:

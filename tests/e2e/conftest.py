@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 
 from vllm_kv_cache_limit.probe import RESULT_PREFIX
+from vllm_kv_cache_limit.probe import api_servers as probe_api_servers
 from vllm_kv_cache_limit.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,57 +132,16 @@ def probe(tiny_model: str):
     return _probe
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def api_servers(
     servers: dict[str, tuple[list[str], dict[str, str]]], folder: Path
 ) -> Iterator[dict[str, tuple[str, Path]]]:
-    """Start one OpenAI API server per name (its CLI arguments after
-    ``--host/--port``, and its environment) at the same time, wait until all
-    answer /health, yield ``{name: (base_url, log_path)}``, and stop them all,
-    process groups included."""
-    procs: dict[str, tuple[subprocess.Popen, str, Path]] = {}
-    try:
-        for name, (args, env) in servers.items():
-            port = free_port()
-            log_path = folder / f"{name}.log"
-            with open(log_path, "w") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                     "--host", "127.0.0.1", "--port", str(port), *args],
-                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                    start_new_session=True,
-                )
-            procs[name] = (proc, f"http://127.0.0.1:{port}", log_path)
-        deadline = time.monotonic() + ENGINE_TIMEOUT_S
-        pending = set(procs)
-        while pending and time.monotonic() < deadline:
-            for name in sorted(pending):
-                proc, base, log_path = procs[name]
-                if proc.poll() is not None:
-                    pytest.fail(f"server {name} exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-                try:
-                    if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                        pending.discard(name)
-                except requests.ConnectionError:
-                    pass
-            time.sleep(1)
-        if pending:
-            pytest.fail(f"servers not ready: {sorted(pending)}")
-        yield {name: (base, log_path) for name, (_, base, log_path) in procs.items()}
-    finally:
-        for proc, _, _ in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc, _, _ in procs.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    """Start one OpenAI API server per name at the same time (see
+    ``probe.api_servers``), fail unless all answer /health, yield
+    ``{name: (base_url, log_path)}``, and stop them all."""
+    with probe_api_servers(servers, folder, ENGINE_TIMEOUT_S, REPO) as running:
+        for name, server in running.items():
+            if server.ready_s is None:
+                state = f"exited {server.returncode}" if server.returncode is not None else "not ready"
+                pytest.fail(f"server {name} {state}:\n{server.log_path.read_text()[-4000:]}")
+        yield {name: (server.base, server.log_path) for name, server in running.items()}

@@ -101,16 +101,15 @@ def _node_total_memory() -> int:
     return get_memory_node_info(get_allowed_cpu_list()[0].numa_node).total_memory
 
 
-def test_cap_above_free_memory_fails_in_worker_with_message(probe) -> None:
-    # Below the node's total (so the fail-fast check passes), above what is
-    # free once the model is loaded.
+def test_cap_above_free_memory_fails_before_weights_load(probe) -> None:
+    # Below the node's total (so the total check passes), above what is free.
     cap = _node_total_memory() - 16 * MiB
     result, log = probe(kv_cache_max_memory=cap)
     assert not result["ok"]
     assert result["error_type"] == "KVCacheMaxMemoryError"
-    assert "larger than the free memory" in result["error"]
-    assert re.search(r"GiB free of \d+\.\d+ GiB total", result["error"])
-    assert "KV cache max memory:" not in log  # no KV cache was sized
+    assert "cannot fit on the host memory node" in result["error"]
+    assert re.search(r"\(\d+ bytes\) is free, less than the cap plus the weights", result["error"])
+    assert "Loading weights" not in log and "KV cache max memory:" not in log
 
 
 def test_cap_above_device_total_fails_before_weights_load(probe) -> None:

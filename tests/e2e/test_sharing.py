@@ -8,7 +8,6 @@ import json
 import re
 import sys
 import textwrap
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +16,6 @@ import pytest
 import requests
 
 from tests.e2e.conftest import (
-    REPO,
     api_servers,
     available_at_most,
     ballast,

@@ -317,3 +317,81 @@ def test_every_entry_point_accepts_the_flag(vllm_modules) -> None:
         actions = [a for a in parser._actions if "--kv-cache-max-memory" in a.option_strings]
         assert len(actions) == 1, name
         assert actions[0].type("1.5GiB") == int(1.5 * GiB), name
+
+
+# --- fail closed ---------------------------------------------------------------
+
+FAILING_HOOK = """
+import sys
+from vllm_kv_cache_limit import _hooks
+
+def broken(module):
+    raise RuntimeError("simulated hook failure")
+
+_hooks.patch_engine_core = broken
+try:
+    import vllm.v1.engine.core
+except Exception as exc:
+    print("IMPORT_FAILED", type(exc).__name__, exc)
+    sys.exit(0)
+print("IMPORTED")
+if len(sys.argv) > 1:
+    from vllm.engine.arg_utils import EngineArgs
+    try:
+        EngineArgs(model=sys.argv[1], kv_cache_max_memory="16M").create_engine_config()
+    except Exception as exc:
+        print("CONFIG_FAILED", type(exc).__name__, exc)
+"""
+
+
+def _run_failing_hook(env_extra: dict[str, str], *args: str) -> str:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_KV_CACHE_MAX_MEMORY", "VLLM_KV_CACHE_LIMIT_ERROR_FILE")}
+    env.update(env_extra)
+    proc = subprocess.run([sys.executable, "-c", FAILING_HOOK, *args], capture_output=True, text=True, env=env, timeout=300)
+    return proc.stdout + proc.stderr
+
+
+def test_hook_failure_under_a_cap_stops_naming_the_hook(tmp_path: Path) -> None:
+    # An engine-core or worker process of a capped engine (the relay is armed).
+    out = _run_failing_hook({"VLLM_KV_CACHE_LIMIT_ERROR_FILE": str(tmp_path / "relay")})
+    assert "IMPORT_FAILED KVCacheMaxMemoryError" in out, out
+    assert "patch_engine_core on vllm.v1.engine.core failed: RuntimeError('simulated hook failure')" in out
+    assert "simulated hook failure" in (tmp_path / "relay").read_text()  # reaches the first process
+    # The cap from the environment: the same.
+    assert "IMPORT_FAILED KVCacheMaxMemoryError" in _run_failing_hook({"VLLM_KV_CACHE_MAX_MEMORY": "16M"})
+
+
+def test_hook_failure_without_a_cap_warns_then_a_cap_stops_start_up() -> None:
+    from vllm_kv_cache_limit.tiny_model import build_tiny_model
+
+    model = str(build_tiny_model(Path(__file__).resolve().parents[2] / "models" / "tiny-llama"))
+    out = _run_failing_hook({}, model)
+    assert "IMPORTED" in out, out
+    assert "could not hook vllm.v1.engine.core" in out
+    assert "CONFIG_FAILED KVCacheMaxMemoryError" in out, out
+    assert "cannot be enforced and start-up stops: patch_engine_core on vllm.v1.engine.core failed" in out
+
+
+def test_every_hook_is_listed_in_compat() -> None:
+    """Each hooked module and each name the hooks check is in compat.HOOKS,
+    so the start-up and CI checks cover every place the plugin touches."""
+    import ast
+    import inspect
+
+    from vllm_kv_cache_limit import _hooks, compat
+
+    listed_modules = {m for hook in compat.HOOKS for m in hook.modules}
+    listed_names = {hook.qualname for hook in compat.HOOKS}
+    assert set(_bootstrap.HOOKED_MODULES) <= listed_modules
+    tree = ast.parse(inspect.getsource(_hooks))
+    checked = {
+        node.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_hook_ok"
+        and node.args and isinstance(node.args[0], ast.Constant)
+    }
+    assert checked and checked <= listed_names, checked - listed_names
+    for name in _bootstrap.HOOKED_MODULES.values():
+        assert callable(getattr(_hooks, name)), name
