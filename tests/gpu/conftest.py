@@ -23,6 +23,10 @@ BASE_ENGINE_ARGS: dict[str, Any] = {
     "max_model_len": 512,
     "enforce_eager": True,
     "seed": 0,
+    # vLLM's defaults for these depend on the GPU; pinned, every GPU sees
+    # the same profiling run and the same minimum block count.
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 1024,
 }
 
 
@@ -69,7 +73,7 @@ def gpu_env(**extra: str) -> dict[str, str]:
 class Engine:
     """One engine started by ``engine_driver.py`` in its own process."""
 
-    def __init__(self, spec: dict[str, Any], folder: Path, name: str, hold: bool = False) -> None:
+    def __init__(self, spec: dict[str, Any], folder: Path, name: str, hold: bool = False, env: dict[str, str] | None = None) -> None:
         self.result_path = folder / f"{name}.json"
         self.log_path = folder / f"{name}.log"
         self.go_path = folder / f"{name}.go"
@@ -77,7 +81,7 @@ class Engine:
         if hold:
             command.append(str(self.go_path))
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=gpu_env(), cwd=REPO)
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=gpu_env(**(env or {})), cwd=REPO)
 
     @property
     def log(self) -> str:
@@ -113,12 +117,13 @@ class Engine:
 
 @pytest.fixture
 def start_engine(tiny_model: str, tmp_path: Path):
-    """``start_engine(name, hold=False, **llm_kwargs)``: an engine with the tiny
-    model and BASE_ENGINE_ARGS; killed at the end of the test if still up."""
+    """``start_engine(name, hold=False, env=None, **llm_kwargs)``: an engine
+    with the tiny model and BASE_ENGINE_ARGS (``env`` adds environment
+    variables); killed at the end of the test if still up."""
     engines: list[Engine] = []
 
-    def _start(name: str, hold: bool = False, **kwargs: Any) -> Engine:
-        engine = Engine({"model": tiny_model, **BASE_ENGINE_ARGS, **kwargs}, tmp_path, name, hold)
+    def _start(name: str, hold: bool = False, env: dict[str, str] | None = None, **kwargs: Any) -> Engine:
+        engine = Engine({"model": tiny_model, **BASE_ENGINE_ARGS, **kwargs}, tmp_path, name, hold, env)
         engines.append(engine)
         return engine
 

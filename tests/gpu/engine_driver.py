@@ -66,6 +66,7 @@ def main() -> None:
             num_gpu_blocks=cache_config.num_gpu_blocks,
             block_size=cache_config.block_size,
             kv_cache_max_memory=getattr(cache_config, "kv_cache_max_memory", None),
+            max_model_len=llm.llm_engine.vllm_config.model_config.max_model_len,
             ready=True,
         )
         if go is not None:

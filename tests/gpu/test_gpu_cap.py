@@ -136,3 +136,63 @@ def test_two_capped_engines_share_one_gpu(start_engine, record_property, order: 
             for name in caps
         ),
     )
+
+
+def test_cap_holds_with_cuda_graphs(start_engine, record_property) -> None:
+    """CUDA graphs on (not enforce_eager): vLLM's CUDA graph memory estimate
+    and capture run; the KV cache still keeps to the cap."""
+    engine = start_engine("graphs", enforce_eager=False, gpu_memory_utilization=0.3, kv_cache_max_memory=f"{CAP // MiB}M")
+    result = _run_to_end(engine)
+    (worker,) = result["workers"]
+    check_worker(worker, CAP)
+    assert CAP - worker["kv_cache_bytes"] < worker["kv_cache_bytes"] // result["num_gpu_blocks"]
+    summary(record_property, f"CUDA graphs on: KV {worker['kv_cache_bytes'] / MiB:.1f} MiB under a {CAP // MiB} MiB cap")
+
+
+@pytest.mark.parametrize(("explicit", "cap", "expected"), [(256 * MiB, "100G", 256 * MiB), (GiB, "512M", 512 * MiB)])
+def test_explicit_size_within_the_cap(start_engine, record_property, explicit: int, cap: str, expected: int) -> None:
+    """--kv-cache-memory-bytes under a large cap is kept (min(size, cap) is
+    what is checked against free memory), above the cap it is reduced."""
+    import torch
+
+    if torch.cuda.mem_get_info(0)[0] < 101 * GiB and cap == "100G":
+        pytest.skip("needs a GPU with more than 101 GiB free (a 100 GiB cap must pass the fit check)")
+    engine = start_engine(f"explicit-{explicit}", kv_cache_memory_bytes=explicit, kv_cache_max_memory=cap)
+    result = _run_to_end(engine)
+    (worker,) = result["workers"]
+    per_block = worker["kv_cache_bytes"] // result["num_gpu_blocks"]
+    assert expected - per_block < worker["kv_cache_bytes"] <= expected, worker
+    summary(record_property, f"kv_cache_memory_bytes {explicit // MiB} MiB, cap {cap}: KV {worker['kv_cache_bytes'] / MiB:.1f} MiB")
+
+
+def test_max_model_len_auto_fits_the_cap(start_engine, record_property) -> None:
+    """``max_model_len=-1`` (auto): vLLM fits the context length to the
+    capped KV cache."""
+    cap = 256 * 1024
+    engine = start_engine("auto-len", max_model_len=-1, max_num_batched_tokens=8192, kv_cache_max_memory=cap)
+    result = _run_to_end(engine)
+    (worker,) = result["workers"]
+    assert 0 < worker["kv_cache_bytes"] <= cap
+    assert 0 < result["max_model_len"] <= result["num_gpu_blocks"] * result["block_size"], result
+    summary(record_property, f"max_model_len auto under a 256 KiB cap: {result['max_model_len']} tokens")
+
+
+def test_tensor_parallel_2_each_gpu_keeps_the_cap(start_engine, record_property) -> None:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"tensor parallel 2 needs two GPUs; {torch.cuda.device_count()} visible")
+    engine = start_engine("tp2", env={"CUDA_VISIBLE_DEVICES": "0,1"}, tensor_parallel_size=2, gpu_memory_utilization=0.3, kv_cache_max_memory=f"{CAP // MiB}M")
+    result = _run_to_end(engine)
+    assert len(result["workers"]) == 2
+    assert {w["device"] for w in result["workers"]} == {"cuda:0", "cuda:1"}
+    for worker in result["workers"]:
+        assert 0 < worker["kv_cache_bytes"] <= CAP
+    summary(record_property, "tensor parallel 2: " + ", ".join(f"{w['kv_cache_bytes'] / MiB:.1f} MiB" for w in result["workers"]))
+
+
+def _run_to_end(engine) -> dict:
+    engine.proc.wait(timeout=600)
+    result = engine.wait_result()
+    assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{engine.log[-4000:]}"
+    return result
