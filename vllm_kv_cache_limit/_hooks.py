@@ -507,9 +507,14 @@ def _log_decision(vllm_config: Any, decisions: list[CapDecision], configs: list[
         tokens = get_kv_cache_capacity(vllm_config, configs[0])[0]
     except Exception:
         tokens = num_blocks * vllm_config.cache_config.block_size
+    # vLLM 0.32/0.33: every KVCacheTensor of a worker names the same backing
+    # allocation (``allocate_kv_cache``), of ``size`` bytes.
+    allocated = max((int(t.size) for c in configs for t in c.kv_cache_tensors), default=0)
     logger.info(
         "KV cache max memory: %s = %d bytes (%s GiB) per device; vLLM budget "
-        "%d bytes (%s GiB); cap %s; %d blocks, %d tokens.",
+        "%d bytes (%s GiB); cap %s; %d blocks, %d tokens. Allocating %d bytes "
+        "(%s GiB) of KV cache per device; vLLM's \"Available KV cache memory\" "
+        "above is its budget before the cap.",
         format_size(cap, "up"),
         cap,
         format_gib(cap),
@@ -518,6 +523,8 @@ def _log_decision(vllm_config: Any, decisions: list[CapDecision], configs: list[
         _bound_text(vllm_config.cache_config, decisions),
         num_blocks,
         tokens,
+        allocated,
+        format_gib(allocated),
     )
 
 
@@ -621,7 +628,7 @@ def patch_gpu_worker(module: Any) -> None:
             _raise_cap_error(compat.drift_message(["vllm.v1.worker.gpu_worker.request_memory is missing"]))
         return
     _wrap(module, "request_memory", _ceiling_request_memory)
-    if _hook_ok("Worker.determine_available_memory"):
+    if _hook_ok("Worker.determine_available_memory") and _hook_ok("get_world_group"):
         _wrap(module.Worker, "determine_available_memory", functools.partial(_check_cap_fits_instance, _cuda_free_memory))
 
 
@@ -660,6 +667,7 @@ def patch_cpu_worker(module: Any) -> None:
         _hook_ok("CPUWorker.__init__")
         and _hook_ok("CPUWorker.determine_available_memory")
         and _hook_ok("get_memory_node_info")
+        and _hook_ok("get_world_group")
     ):
         return
     _wrap(module.CPUWorker, "__init__", _ceiling_cpu_worker_init)
@@ -730,20 +738,57 @@ def _check_cap_fits_instance(read_free: Callable[[Any], tuple[int, int, str]], o
         if cap is None:
             return original(self, *args, **kwargs)
         explicit = self.cache_config.kv_cache_memory_bytes
-        try:
-            if explicit is not None:
-                # vLLM allocates exactly this much without measuring.
-                free, total, device = read_free(self)
-                check_explicit_size_within_free(min(explicit, cap), cap, free, total, device)
-                return original(self, *args, **kwargs)
-            if read_free is _cpu_free_memory:
-                _lower_cpu_request(self)
-            budget = original(self, *args, **kwargs)
-            gate = _gate
+        if explicit is not None:
+            # vLLM allocates exactly this much without measuring.
+            free, total, device = read_free(self)
+            _decide_together(lambda: check_explicit_size_within_free(min(explicit, cap), cap, free, total, device))
+            return original(self, *args, **kwargs)
+        if read_free is _cpu_free_memory:
+            _lower_cpu_request(self)
+        budget = original(self, *args, **kwargs)
+        gate = _gate
+
+        def check() -> None:
             if gate is not None and gate.limited_by_free:
                 check_cap_within_instance(cap, int(budget), gate.free, gate.requested - int(budget), gate.device)
-            return budget
-        except KVCacheMaxMemoryError as exc:
-            _raise_cap_error(str(exc))
+
+        _decide_together(check)
+        return budget
 
     return determine_available_memory
+
+
+def _decide_together(check: Callable[[], None]) -> None:
+    """Run a cap check on every rank and share the outcome, so that every
+    rank raises the same cap error or none does. A rank that raised alone
+    would leave the others waiting forever in vLLM's next collective (the
+    executor reads replies rank by rank with no timeout)."""
+    message = None
+    try:
+        check()
+    except KVCacheMaxMemoryError as exc:
+        message = str(exc)
+    message = _first_error_of_all_ranks(message)
+    if message:
+        _raise_cap_error(message)
+
+
+def _first_error_of_all_ranks(message: str | None) -> str | None:
+    """All ranks of this engine exchange their cap error (None when fine)
+    over vLLM's CPU world group; returns the lowest rank's error, the same
+    on every rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return message
+    from vllm.distributed.parallel_state import get_world_group
+
+    group = get_world_group()
+    if group.world_size <= 1:
+        return message
+    gathered: list[str | None] = [None] * group.world_size
+    dist.all_gather_object(gathered, message, group=group.cpu_group)
+    for rank, found in enumerate(gathered):
+        if found:
+            return found if found == message else f"{found} (found by worker rank {rank})"
+    return None

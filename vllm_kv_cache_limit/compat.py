@@ -57,6 +57,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(("vllm.v1.worker.gpu_worker",), "Worker.determine_available_memory", ("self",)),
     Hook(("vllm.v1.worker.cpu_worker",), "CPUWorker.__init__", ("self", "vllm_config")),
     Hook(("vllm.v1.worker.cpu_worker",), "CPUWorker.determine_available_memory", ("self",)),
+    Hook(("vllm.distributed.parallel_state",), "get_world_group"),
     Hook(("vllm.utils.cpu_resource_utils",), "get_memory_node_info"),
     Hook(("vllm.utils.cpu_resource_utils",), "get_allowed_cpu_list"),
 )

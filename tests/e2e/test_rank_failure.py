@@ -1,0 +1,58 @@
+"""Tensor parallel 2 on the CPU backend where only rank 1 sees too little
+memory: every rank raises the same cap error, start-up ends within a bound,
+and no process is left. (A rank raising alone would leave the other waiting
+forever in vLLM's next collective.) Rank 1's low reading comes from a
+test-only vLLM plugin registered through an entry point on PYTHONPATH."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from tests.e2e.conftest import engine_env
+from tests.e2e.test_side_by_side import bind_two_workers
+from tests.e2e.test_startup_failures import DRIVER, GRACE_S, RUN_MARKER, run_watched, wait_until_gone
+
+PLUGIN_DIR = Path(__file__).parent / "fixtures" / "low_memory_plugin"
+MiB = 2**20
+BOUND_S = 240
+"""Start-up of a tensor-parallel-2 engine on the 2-core test machine takes
+60-120 s; the error must come well before the tests' 300 s engine limit."""
+
+
+def test_only_rank_1_short_of_memory_fails_every_rank_without_hanging(tiny_model: str, tmp_path: Path) -> None:
+    bind = bind_two_workers("tensor-parallel worker")
+    marker = uuid.uuid4().hex
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    spec = {
+        "model": tiny_model, "max_model_len": 512, "enforce_eager": True, "seed": 0,
+        "tensor_parallel_size": 2, "kv_cache_memory_bytes": 16 * MiB, "kv_cache_max_memory": "16M",
+    }
+    env = engine_env(**{
+        RUN_MARKER: marker,
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")])),
+        "KVCL_TEST_LOW_MEMORY_RANK": "1",
+        "KVCL_TEST_LOW_MEMORY_BYTES": str(8 * MiB),
+    })
+    log_path = tmp_path / "llm.log"
+    started = time.monotonic()
+    status, seen = run_watched([sys.executable, str(driver), json.dumps(spec), str(GRACE_S)], env, log_path)
+    took = time.monotonic() - started
+    log = log_path.read_text()
+    lines = [l for l in log.splitlines() if l.startswith("DRIVER_RESULT ")]
+    assert lines, f"exit {status}:\n{log[-4000:]}"
+    error = json.loads(lines[-1][len("DRIVER_RESULT "):])["error"]
+    assert error and error["type"] == "KVCacheMaxMemoryError", (error, log[-4000:])
+    assert "The KV cache of 16777216 bytes" in error["message"], error
+    assert "free memory of the host memory node" in error["message"] and "8MiB free" in error["message"], error
+    # Both ranks raised it (rank 0 names rank 1, which found it).
+    assert log.count("found by worker rank 1") >= 1, log[-4000:]
+    assert took < BOUND_S, f"start-up took {took:.0f} s to fail"
+    marked, alive = wait_until_gone(marker, seen)
+    assert marked == [] and alive == [], (marked, alive)
