@@ -29,6 +29,7 @@ PLUGIN_NAME = "vllm_kv_cache_limit"
 # vLLM module -> hook in ``vllm_kv_cache_limit._hooks`` that patches it.
 HOOKED_MODULES: dict[str, str] = {
     "vllm.engine.arg_utils": "patch_engine_args",
+    "vllm.config.compilation": "patch_compilation_config",
     "vllm.v1.engine.core": "patch_engine_core",
     "vllm.v1.engine.utils": "patch_engine_startup",
     "vllm.v1.worker.gpu_worker": "patch_gpu_worker",

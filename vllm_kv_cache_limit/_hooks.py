@@ -39,6 +39,8 @@ from vllm_kv_cache_limit.policy import (
     check_cap_within_instance,
     check_explicit_size_within_free,
     check_cap_within_total,
+    auto_fit_message,
+    mamba_blocks_message,
     resolve_cap,
     too_small_message,
     utilization_ceiling,
@@ -441,6 +443,8 @@ def patch_engine_core(module: Any) -> None:
     planner, _ = compat.resolve_hook(compat.get_hook("_check_enough_kv_cache_memory"))
     planner_module = __import__(planner.__module__, fromlist=["_"])  # type: ignore[union-attr]
     _wrap(planner_module, "_check_enough_kv_cache_memory", _name_cap_when_too_small)
+    if _hook_ok("_auto_fit_max_model_len"):
+        _wrap(planner_module, "_auto_fit_max_model_len", _name_cap_when_auto_fit_fails)
 
 
 def _hold_startup_lock(original: Callable) -> Callable:
@@ -526,6 +530,23 @@ def _log_decision(vllm_config: Any, decisions: list[CapDecision], configs: list[
         allocated,
         format_gib(allocated),
     )
+
+
+def _name_cap_when_auto_fit_fails(original: Callable) -> Callable:
+    """vLLM's ``--max-model-len auto`` fails telling the user to raise
+    ``gpu_memory_utilization``; when the cap made the memory too small, name
+    the cap. Upstream: a message naming the cap."""
+
+    def _auto_fit_max_model_len(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except ValueError:
+            decisions = getattr(_active, "decision", None)
+            if not decisions or not any(d.bound for d in decisions):
+                raise
+            _raise_cap_error(auto_fit_message(decisions[0].cap))
+
+    return _auto_fit_max_model_len
 
 
 def _bound_text(cache_config: Any, decisions: list[CapDecision]) -> str:
@@ -732,8 +753,13 @@ def _cpu_free_memory(worker: Any) -> tuple[int, int, str]:
     return int(status.available_memory), int(status.total_memory), f"host memory node {node} (CPU backend)"
 
 
+_worker_cap: CapDecision | None = None
+"""In a worker process: the cap and this worker's budget, once known."""
+
+
 def _check_cap_fits_instance(read_free: Callable[[Any], tuple[int, int, str]], original: Callable) -> Callable:
     def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _worker_cap
         cap = cap_of(self.cache_config)
         if cap is None:
             return original(self, *args, **kwargs)
@@ -742,10 +768,12 @@ def _check_cap_fits_instance(read_free: Callable[[Any], tuple[int, int, str]], o
             # vLLM allocates exactly this much without measuring.
             free, total, device = read_free(self)
             _decide_together(lambda: check_explicit_size_within_free(min(explicit, cap), cap, free, total, device))
+            _worker_cap = CapDecision(budget=int(explicit), cap=cap)
             return original(self, *args, **kwargs)
         if read_free is _cpu_free_memory:
             _lower_cpu_request(self)
         budget = original(self, *args, **kwargs)
+        _worker_cap = CapDecision(budget=int(budget), cap=cap)
         gate = _gate
 
         def check() -> None:
@@ -792,3 +820,50 @@ def _first_error_of_all_ranks(message: str | None) -> str | None:
         if found:
             return found if found == message else f"{found} (found by worker rank {rank})"
     return None
+
+
+# ---------------------------------------------------------------------------
+# vllm.config.compilation: hybrid (Mamba) models with full CUDA graphs
+# ---------------------------------------------------------------------------
+
+
+def patch_compilation_config(module: Any) -> None:
+    """Why: with full CUDA graphs, vLLM needs a KV cache block per decoding
+    sequence of a hybrid (Mamba) model and otherwise tells the user to raise
+    ``gpu_memory_utilization``; under a binding cap that advice is wrong.
+    How: wraps ``CompilationConfig.resolve_cudagraph_mode_and_sizes`` (run in
+    each worker once the KV cache is sized); when it refuses and the cap
+    made the block count too small, raises an error naming the cap.
+    Upstream: a message naming the cap."""
+    if _hook_ok("CompilationConfig.resolve_cudagraph_mode_and_sizes"):
+        _wrap(module.CompilationConfig, "resolve_cudagraph_mode_and_sizes", _name_cap_when_mamba_blocks_short)
+
+
+def _name_cap_when_mamba_blocks_short(original: Callable) -> Callable:
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def resolve_cudagraph_mode_and_sizes(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except ValueError:
+            decision = _worker_cap
+            bound = signature.bind(self, *args, **kwargs).arguments
+            kv_cache_config, max_num_reqs = bound.get("kv_cache_config"), bound.get("max_num_reqs")
+            if (
+                decision is None
+                or not decision.bound
+                or kv_cache_config is None
+                or max_num_reqs is None
+                or not getattr(kv_cache_config, "has_mamba_layers", False)
+                or max_num_reqs <= kv_cache_config.num_blocks
+            ):
+                raise
+            backing = max((int(t.size) for t in kv_cache_config.kv_cache_tensors), default=0)
+            block_bytes = -(-backing // max(1, kv_cache_config.num_blocks))
+            _raise_cap_error(
+                mamba_blocks_message(decision.cap, kv_cache_config.num_blocks, max_num_reqs, block_bytes)
+            )
+
+    return resolve_cudagraph_mode_and_sizes

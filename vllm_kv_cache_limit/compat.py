@@ -51,6 +51,17 @@ HOOKS: tuple[Hook, ...] = (
         "_check_enough_kv_cache_memory",
         ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
     ),
+    Hook(
+        ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"),
+        "_auto_fit_max_model_len",
+    ),
+    Hook(
+        ("vllm.config.compilation",),
+        "CompilationConfig.resolve_cudagraph_mode_and_sizes",
+        # kv_cache_config and max_num_reqs are read by name (0.29-0.31 put
+        # tensor_parallel_size before them).
+        ("self", "min_cg_support", "min_cg_attn_backend"),
+    ),
     Hook(("vllm.v1.engine.core",), "EngineCore.__init__", ("self", "vllm_config")),
     Hook(("vllm.v1.engine.utils",), "wait_for_engine_startup"),
     Hook(("vllm.v1.worker.utils",), "request_memory", ("init_snapshot", "cache_config")),

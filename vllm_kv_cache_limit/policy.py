@@ -25,6 +25,8 @@ __all__ = [
     "check_explicit_size_within_free",
     "check_cap_within_instance",
     "check_cap_within_total",
+    "auto_fit_message",
+    "mamba_blocks_message",
     "utilization_ceiling",
     "resolve_cap",
     "too_small_message",
@@ -249,4 +251,32 @@ def check_cap_fits_before_load(
         f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) cannot fit on "
         f"the {device}: {weights}{_gib(free)} ({free} bytes) is free, less than "
         f"{caps} plus the weights ({_gib(need)}, {need} bytes). {fit}"
+    )
+
+
+def auto_fit_message(cap: int) -> str:
+    """The error for ``--max-model-len auto`` when the cap leaves no room for
+    a single token."""
+    return (
+        f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) is too small "
+        f"for even one token with --max-model-len auto: vLLM fits the context "
+        f"length to the KV cache, and the cap leaves no whole block besides the "
+        f"one vLLM reserves. Raise the cap (vllm-kv-plan MODEL --max-model-len L "
+        f"tells how much L tokens need), or pass an explicit --max-model-len."
+    )
+
+
+def mamba_blocks_message(cap: int, num_blocks: int, max_num_seqs: int, block_bytes: int) -> str:
+    """The error for a hybrid (Mamba) model with full CUDA graphs whose
+    capped KV cache has fewer blocks than ``max_num_seqs``: each decoding
+    sequence needs one block."""
+    need = max_num_seqs * block_bytes
+    return (
+        f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) gives "
+        f"{num_blocks} KV cache blocks, fewer than max_num_seqs={max_num_seqs}: "
+        f"with full CUDA graphs each decoding sequence of this hybrid (Mamba) "
+        f"model needs one block. Pass --max-num-seqs {num_blocks} or less, raise "
+        f"the cap to at least {FLAG} {format_size(need, 'up')}, or capture "
+        f"piecewise CUDA graphs only (--compilation-config "
+        f"'{{\"cudagraph_mode\": \"PIECEWISE\"}}') or none (--enforce-eager)."
     )

@@ -187,9 +187,11 @@ def test_cap_that_cannot_fit_fails_before_weights_load(tiny_model: str, tmp_path
     before, _ = node_memory()
     with ballast(before * 3 // 4):
         during, _ = node_memory()
-        assert during < before // 2, (before, during)  # the premise: the ballast holds it
+        # The premise: the ballast holds memory (the node may grow as memory is
+        # used, so not all of it shows) ...
+        assert during < before - GiB, (before, during)
         result, log, seen = run_driver(tiny_model, tmp_path, below=-256 * MiB)
-    assert result["cap"] < before  # it would have fit on the node without the ballast
+    assert result["cap"] < before  # ... and the cap would have fit without it
     error = result["error"]
     assert error and error["type"] == "KVCacheMaxMemoryError", (error, log[-3000:])
     assert "cannot fit on the host memory node" in error["message"]

@@ -395,3 +395,52 @@ def test_every_hook_is_listed_in_compat() -> None:
     assert checked and checked <= listed_names, checked - listed_names
     for name in _bootstrap.HOOKED_MODULES.values():
         assert callable(getattr(_hooks, name)), name
+
+
+# --- hybrid (Mamba) models with full CUDA graphs, against vLLM's own check ----
+
+
+@pytest.mark.parametrize("decision", ["none", "not bound", "bound"])
+def test_mamba_block_shortage_names_the_cap_when_it_binds(mocker, decision: str) -> None:
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from vllm_kv_cache_limit import _hooks
+    from vllm_kv_cache_limit.policy import CapDecision
+
+    register()
+    cap = 40 * 1024
+    worker_cap = {"none": None, "not bound": CapDecision(budget=cap // 2, cap=cap), "bound": CapDecision(budget=GiB, cap=cap)}[decision]
+    mocker.patch.object(_hooks, "_worker_cap", worker_cap)
+    config = CompilationConfig()
+    config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    kv_cache_config = SimpleNamespace(has_mamba_layers=True, num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * 4096)])
+    with pytest.raises(ValueError) as info:
+        config.resolve_cudagraph_mode_and_sizes(AttentionCGSupport.ALWAYS, "test", kv_cache_config=kv_cache_config, max_num_reqs=16)
+    if decision != "bound":
+        # vLLM's own refusal, unchanged.
+        assert type(info.value) is ValueError and "increase gpu_memory_utilization" in str(info.value)
+        return
+    message = str(info.value)
+    assert isinstance(info.value, KVCacheMaxMemoryError)
+    assert message.startswith("--kv-cache-max-memory 40KiB (40960 bytes")
+    assert "gives 10 KV cache blocks, fewer than max_num_seqs=16" in message
+    assert "--max-num-seqs 10 or less" in message and "at least --kv-cache-max-memory 64KiB" in message
+    assert "gpu_memory_utilization" not in message
+
+
+def test_auto_fit_failure_names_the_cap_when_it_binds(mocker) -> None:
+    from vllm_kv_cache_limit import _hooks
+    from vllm_kv_cache_limit.policy import CapDecision
+
+    def vllms_auto_fit(*args, **kwargs):
+        raise ValueError("Cannot auto-fit max_model_len: not enough GPU memory available to serve even a single "
+                         "token. Try increasing `gpu_memory_utilization`.")
+
+    wrapped = _hooks._name_cap_when_auto_fit_fails(vllms_auto_fit)
+    mocker.patch.object(_hooks._active, "decision", [CapDecision(budget=GiB, cap=64 * 1024)], create=True)
+    with pytest.raises(KVCacheMaxMemoryError, match=r"64KiB .* too small for even one token with --max-model-len auto"):
+        wrapped()
+    mocker.patch.object(_hooks._active, "decision", [CapDecision(budget=32 * 1024, cap=64 * 1024)], create=True)
+    with pytest.raises(ValueError, match="Try increasing `gpu_memory_utilization`"):
+        wrapped()
