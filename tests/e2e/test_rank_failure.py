@@ -30,7 +30,7 @@ def test_only_rank_1_short_of_memory_fails_every_rank_without_hanging(tiny_model
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     spec = {
-        "model": tiny_model, "max_model_len": 512, "enforce_eager": True, "seed": 0,
+        "model": tiny_model, "max_model_len": 512, "enforce_eager": False, "seed": 0,
         "tensor_parallel_size": 2, "kv_cache_memory_bytes": 16 * MiB, "kv_cache_max_memory": "16M",
     }
     env = engine_env(**{
