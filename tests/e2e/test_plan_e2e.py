@@ -49,7 +49,9 @@ def _plan(model: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     return json.loads(out)
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@pytest.mark.parametrize(
+    "arch", [pytest.param(a, marks=pytest.mark.smoke) if a == "llama" else a for a in sorted(ARCHITECTURES)]
+)
 def test_engine_allocates_the_planned_blocks(
     arch: str, tiny_models_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

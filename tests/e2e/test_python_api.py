@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.e2e.conftest import engine_env
 
 SCRIPT = """
@@ -40,6 +42,7 @@ def run_script(tiny_model: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.smoke
 def test_llm_keyword_works_without_importing_the_plugin(tiny_model: str) -> None:
     proc = run_script(tiny_model)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -23,6 +23,7 @@ def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
         yield servers["main"]
 
 
+@pytest.mark.smoke
 def test_server_answers_a_completion(server) -> None:
     base, _ = server
     reply = requests.post(
@@ -34,6 +35,7 @@ def test_server_answers_a_completion(server) -> None:
     assert reply.json()["choices"][0]["text"]
 
 
+@pytest.mark.smoke
 def test_metrics_show_the_cap_and_blocks_within_it(server) -> None:
     base, log_path = server
     metrics = requests.get(f"{base}/metrics", timeout=30).text
@@ -45,3 +47,17 @@ def test_metrics_show_the_cap_and_blocks_within_it(server) -> None:
     block_size = int(re.search(r'block_size="(\d+)"', info)[1])
     # 2 layers x (K, V) x 2 KV heads x head_dim 64 x 2 bytes (bf16) per token.
     assert blocks * block_size * 2 * 2 * 2 * 64 * 2 <= 16 * MiB
+
+
+@pytest.mark.smoke
+def test_api_server_help_lists_the_flag_under_cache_config() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help=CacheConfig"],
+        capture_output=True, text=True, timeout=300, env=engine_env(),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--kv-cache-max-memory SIZE" in out.stdout, out.stdout[-3000:]
+    assert "Upper bound on the memory of the KV cache" in " ".join(out.stdout.split())

