@@ -80,7 +80,8 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(("vllm.v1.engine.core",), "EngineCore.__init__", ("self", "vllm_config")),
     Hook(("vllm.v1.engine.utils",), "wait_for_engine_startup"),
-    Hook(("vllm.v1.worker.utils",), "request_memory", ("init_snapshot", "cache_config")),
+    # Wrapped where the GPU worker imports it (``from .utils import ...``).
+    Hook(("vllm.v1.worker.gpu_worker",), "request_memory", ("init_snapshot", "cache_config")),
     Hook(("vllm.v1.worker.gpu_worker",), "Worker.determine_available_memory", ("self",)),
     Hook(("vllm.v1.worker.cpu_worker",), "CPUWorker.__init__", ("self", "vllm_config")),
     Hook(("vllm.v1.worker.cpu_worker",), "CPUWorker.determine_available_memory", ("self",)),
@@ -257,12 +258,15 @@ def _find_in_source(tree: ast.Module, qualname: str) -> ast.AST | None:
     return found
 
 
-def _imported_from(tree: ast.Module, name: str) -> str | None:
-    """The absolute module a top-level ``from X import name`` takes it from."""
+def _imported_from(tree: ast.Module, name: str, module_name: str = "") -> str | None:
+    """The absolute module a top-level ``from X import name`` in
+    ``module_name`` takes it from (relative imports resolved)."""
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if any((alias.asname or alias.name) == name for alias in node.names):
+        if isinstance(node, ast.ImportFrom) and any((alias.asname or alias.name) == name for alias in node.names):
+            if node.level == 0:
                 return node.module
+            package = module_name.split(".")[: -node.level]
+            return ".".join(package + ([node.module] if node.module else []))
     return None
 
 
@@ -277,7 +281,7 @@ def _source_tree(root: Path, module_name: str, qualname: str, depth: int = 0) ->
     tree = ast.parse(path.read_text(encoding="utf-8"))
     first = qualname.split(".")[0]
     if _find_in_source(tree, first) is None and depth < 3:
-        source = _imported_from(tree, first)
+        source = _imported_from(tree, first, module_name)
         if source is not None:
             return _source_tree(root, source, qualname, depth + 1)
     return tree
