@@ -48,3 +48,14 @@ def test_require_vllm_explains_how_to_install(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize(("version", "ok"), [("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True), ("0.29.0+cpu", True), ("0.31.9", True), ("0.28.9", False), ("0.34.0", False), ("junk", False)])
 def test_supported_versions(version: str, ok: bool) -> None:
     assert compat.version_supported(version) is ok
+
+
+def test_version_is_declared_once() -> None:
+    import tomllib
+    from importlib.metadata import version
+
+    import vllm_kv_cache_limit
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and project["dynamic"] == ["version"]
+    assert version("vllm-kv-cache-limit") == vllm_kv_cache_limit.__version__
