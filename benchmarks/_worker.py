@@ -191,11 +191,9 @@ def run_workload(llm: Any, workload: dict[str, Any]) -> dict[str, Any]:
     rng = random.Random(workload.get("seed", 0))
     # Token ids above the special tokens; distinct prompts, so no prefix
     # sharing between them.
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(prompt_len)])
-               for _ in range(num)]
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(prompt_len)]) for _ in range(num)]
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     runs = []
     for _ in range(repeats):
         before = _metric_values(llm)
@@ -206,29 +204,34 @@ def run_workload(llm: Any, workload: dict[str, Any]) -> dict[str, Any]:
         cpu_s = _tree_cpu() - cpu_before
         after = _metric_values(llm)
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        queue = [m.scheduled_ts - m.queued_ts for o in outputs
-                 if (m := o.metrics) is not None and m.scheduled_ts and m.queued_ts]
+        queue = [
+            m.scheduled_ts - m.queued_ts
+            for o in outputs
+            if (m := o.metrics) is not None and m.scheduled_ts and m.queued_ts
+        ]
         per_req_preempt = [o.metrics.num_preemptions for o in outputs if o.metrics is not None]
 
-        def delta(name: str) -> float | None:
+        def delta(name: str, after: dict = after, before: dict = before) -> float | None:
             if name not in after:
                 return None
             return after[name] - before.get(name, 0)
 
-        runs.append({
-            "seconds": seconds,
-            "output_tokens": out_tokens,
-            "output_tokens_per_s": out_tokens / seconds,
-            "cpu_s": cpu_s,
-            "output_tokens_per_cpu_s": out_tokens / cpu_s if cpu_s > 0 else None,
-            "preemptions": delta("vllm:num_preemptions"),
-            "preempted_requests": sum(1 for p in per_req_preempt if p) if per_req_preempt else None,
-            "preemptions_from_requests": sum(per_req_preempt) if per_req_preempt else None,
-            "queue_s_mean": statistics.fmean(queue) if queue else None,
-            "queue_s_max": max(queue) if queue else None,
-            "queue_s_sum_metric": delta("vllm:request_queue_time_seconds_sum"),
-            "ttft_s_sum_metric": delta("vllm:time_to_first_token_seconds_sum"),
-        })
+        runs.append(
+            {
+                "seconds": seconds,
+                "output_tokens": out_tokens,
+                "output_tokens_per_s": out_tokens / seconds,
+                "cpu_s": cpu_s,
+                "output_tokens_per_cpu_s": out_tokens / cpu_s if cpu_s > 0 else None,
+                "preemptions": delta("vllm:num_preemptions"),
+                "preempted_requests": sum(1 for p in per_req_preempt if p) if per_req_preempt else None,
+                "preemptions_from_requests": sum(per_req_preempt) if per_req_preempt else None,
+                "queue_s_mean": statistics.fmean(queue) if queue else None,
+                "queue_s_max": max(queue) if queue else None,
+                "queue_s_sum_metric": delta("vllm:request_queue_time_seconds_sum"),
+                "ttft_s_sum_metric": delta("vllm:time_to_first_token_seconds_sum"),
+            }
+        )
     return {"runs": runs, "tree_rss_bytes_after": _tree_rss()}
 
 
@@ -256,8 +259,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # vLLM modules this (first) process loaded: shows imports that an
         # engine argument or a hook pulls into the front-end process.
         result["parent_modules"] = len(sys.modules)
-        result["parent_worker_modules"] = sorted(
-            m for m in sys.modules if m.startswith("vllm.v1.worker."))
+        result["parent_worker_modules"] = sorted(m for m in sys.modules if m.startswith("vllm.v1.worker."))
         result["workers"] = llm.collective_rpc(worker_memory)
         result["kv_cache_bytes"] = [w["kv_cache_bytes"] for w in result["workers"]]
         result.update(engine_cache_settings(llm))

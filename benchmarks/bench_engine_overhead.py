@@ -63,6 +63,7 @@ print("ATTR " + json.dumps({"check_hooks_first_s": first, "check_hooks_again_s":
     "full_check_modules_added": full_added}))
 """
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     c.add_common_args(parser)
@@ -79,18 +80,24 @@ def main() -> None:
     model = c.model_path(args)
     block_bytes = c.block_bytes_estimate(args, model)
     max_model_len = args.prompt_len + args.output_len
-    common = dict(max_model_len=max_model_len, disable_log_stats=False,
-                  max_num_seqs=args.num_prompts,
-                  max_num_batched_tokens=max(args.num_prompts * args.prompt_len, max_model_len),
-                  workload={"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
-                            "output_len": args.output_len, "repeats": args.repeats})
+    common = dict(
+        max_model_len=max_model_len,
+        disable_log_stats=False,
+        max_num_seqs=args.num_prompts,
+        max_num_batched_tokens=max(args.num_prompts * args.prompt_len, max_model_len),
+        workload={
+            "num_prompts": args.num_prompts,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "repeats": args.repeats,
+        },
+    )
     variants = {
         "cap": (dict(kv_cache_max_memory=args.blocks * block_bytes), c.bench_env(plugin=True)),
         "excluded": (dict(num_gpu_blocks_override=args.blocks), c.bench_env(plugin=False)),
     }
     if args.with_override_variant:
-        variants["override"] = (dict(num_gpu_blocks_override=args.blocks),
-                                c.bench_env(plugin=True))
+        variants["override"] = (dict(num_gpu_blocks_override=args.blocks), c.bench_env(plugin=True))
     names = list(variants)
     rows = []
     for pair in range(args.pairs):
@@ -102,51 +109,64 @@ def main() -> None:
             c.check_ok(run, f"variant {name}")
             res = run.result
             runs = res["workload"]["runs"]
-            rows.append({
-                "pair": pair, "variant": name, "plugin_loaded": name != "excluded",
-                "blocks": res["num_gpu_blocks"],
-                "kv_bytes": res["kv_cache_bytes"][0],
-                "plugin_log_line": "KV cache max memory:" in run.log,
-                "startup_s": res["startup_s"],
-                "ready_after_launch_s": res["ready_after_launch_s"],
-                "tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in runs),
-                "tokens_per_s_runs": [r["output_tokens_per_s"] for r in runs],
-                "startup_cpu_s": res["startup_cpu_s"],
-                "tokens_per_cpu_s": statistics.median(r["output_tokens_per_cpu_s"] for r in runs),
-                "preemptions": sum(r["preemptions"] or 0 for r in runs),
-                "create_engine_config_s": res.get("create_engine_config_s"),
-                "parent_full_gc_count": res.get("parent_full_gc_count"),
-                "parent_full_gc_s": res.get("parent_full_gc_s"),
-                "parent_modules": res.get("parent_modules"),
-                "parent_worker_modules": res.get("parent_worker_modules"),
-            })
-            print(f"pair {pair} {name}: {rows[-1]['blocks']} blocks, start-up "
-                  f"{rows[-1]['startup_s']:.1f} s, {rows[-1]['tokens_per_s']:.0f} tok/s",
-                  flush=True)
+            rows.append(
+                {
+                    "pair": pair,
+                    "variant": name,
+                    "plugin_loaded": name != "excluded",
+                    "blocks": res["num_gpu_blocks"],
+                    "kv_bytes": res["kv_cache_bytes"][0],
+                    "plugin_log_line": "KV cache max memory:" in run.log,
+                    "startup_s": res["startup_s"],
+                    "ready_after_launch_s": res["ready_after_launch_s"],
+                    "tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in runs),
+                    "tokens_per_s_runs": [r["output_tokens_per_s"] for r in runs],
+                    "startup_cpu_s": res["startup_cpu_s"],
+                    "tokens_per_cpu_s": statistics.median(r["output_tokens_per_cpu_s"] for r in runs),
+                    "preemptions": sum(r["preemptions"] or 0 for r in runs),
+                    "create_engine_config_s": res.get("create_engine_config_s"),
+                    "parent_full_gc_count": res.get("parent_full_gc_count"),
+                    "parent_full_gc_s": res.get("parent_full_gc_s"),
+                    "parent_modules": res.get("parent_modules"),
+                    "parent_worker_modules": res.get("parent_worker_modules"),
+                }
+            )
+            print(
+                f"pair {pair} {name}: {rows[-1]['blocks']} blocks, start-up "
+                f"{rows[-1]['startup_s']:.1f} s, {rows[-1]['tokens_per_s']:.0f} tok/s",
+                flush=True,
+            )
 
     attribution = []
     for _ in range(args.attribution_runs):
-        proc = subprocess.run([sys.executable, "-c", ATTRIBUTION], env=c.bench_env(),
-                              capture_output=True, text=True, cwd=c.REPO)
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("ATTR ")), None)
+        proc = subprocess.run(
+            [sys.executable, "-c", ATTRIBUTION], env=c.bench_env(), capture_output=True, text=True, cwd=c.REPO
+        )
+        line = next((line for line in proc.stdout.splitlines() if line.startswith("ATTR ")), None)
         if line:
             attribution.append(json.loads(line[5:]))
     blocks = {r["blocks"] for r in rows}
-    summary: dict = {"blocks": sorted(blocks), "same_block_count": len(blocks) == 1,
-                     "ratios": {}}
+    summary: dict = {"blocks": sorted(blocks), "same_block_count": len(blocks) == 1, "ratios": {}}
     for name in names:
         if name == "excluded":
             continue
         ratios = {}
-        for key in ("startup_s", "ready_after_launch_s", "tokens_per_s",
-                    "startup_cpu_s", "tokens_per_cpu_s", "create_engine_config_s"):
+        for key in (
+            "startup_s",
+            "ready_after_launch_s",
+            "tokens_per_s",
+            "startup_cpu_s",
+            "tokens_per_cpu_s",
+            "create_engine_config_s",
+        ):
             mine = [r[key] for r in rows if r["variant"] == name]
             base = [r[key] for r in rows if r["variant"] == "excluded"]
             per_pair = [m / b for m, b in zip(mine, base)]
-            ratios[key] = {"ratio_of_medians": statistics.median(mine) / statistics.median(base),
-                           "per_pair": per_pair,
-                           "within_2pct": abs(statistics.median(mine) / statistics.median(base)
-                                              - 1) <= 0.02}
+            ratios[key] = {
+                "ratio_of_medians": statistics.median(mine) / statistics.median(base),
+                "per_pair": per_pair,
+                "within_2pct": abs(statistics.median(mine) / statistics.median(base) - 1) <= 0.02,
+            }
         summary["ratios"][name] = ratios
     # Run-to-run spread of the same variant: what "noise" means here.
     noise = {}
@@ -172,43 +192,70 @@ def main() -> None:
         }
 
     print()
-    print(c.table(rows, [
-        ("pair", "pair"), ("variant", "variant"), ("blocks", "blocks"),
-        ("plugin_log_line", "plugin INFO line"), ("startup_s", "LLM() start-up s"),
-        ("ready_after_launch_s", "launch->ready s"), ("startup_cpu_s", "start-up CPU s"),
-        ("tokens_per_s", "output tok/s"), ("tokens_per_cpu_s", "output tok/CPU s"),
-        ("preemptions", "preemptions"),
-    ], digits=2))
+    print(
+        c.table(
+            rows,
+            [
+                ("pair", "pair"),
+                ("variant", "variant"),
+                ("blocks", "blocks"),
+                ("plugin_log_line", "plugin INFO line"),
+                ("startup_s", "LLM() start-up s"),
+                ("ready_after_launch_s", "launch->ready s"),
+                ("startup_cpu_s", "start-up CPU s"),
+                ("tokens_per_s", "output tok/s"),
+                ("tokens_per_cpu_s", "output tok/CPU s"),
+                ("preemptions", "preemptions"),
+            ],
+            digits=2,
+        )
+    )
     print()
-    print(c.table(rows, [
-        ("pair", "pair"), ("variant", "variant"),
-        ("create_engine_config_s", "first process: create_engine_config s"),
-        ("parent_full_gc_count", "full GCs in LLM()"), ("parent_full_gc_s", "full GC s"),
-        ("parent_modules", "modules after LLM()"),
-    ], digits=3))
+    print(
+        c.table(
+            rows,
+            [
+                ("pair", "pair"),
+                ("variant", "variant"),
+                ("create_engine_config_s", "first process: create_engine_config s"),
+                ("parent_full_gc_count", "full GCs in LLM()"),
+                ("parent_full_gc_s", "full GC s"),
+                ("parent_modules", "modules after LLM()"),
+            ],
+            digits=3,
+        )
+    )
     print()
     for name, ratios in summary["ratios"].items():
-        print(f"{name} / excluded (ratio of medians): start-up "
-              f"{ratios['startup_s']['ratio_of_medians']:.3f}, launch->ready "
-              f"{ratios['ready_after_launch_s']['ratio_of_medians']:.3f}, start-up CPU "
-              f"{ratios['startup_cpu_s']['ratio_of_medians']:.3f}, throughput "
-              f"{ratios['tokens_per_s']['ratio_of_medians']:.3f}, tokens per CPU second "
-              f"{ratios['tokens_per_cpu_s']['ratio_of_medians']:.3f}")
-    print("same-variant spread (max/min - 1): " + ", ".join(
-        f"{k} {c.fmt(v)}" for k, v in noise.items())
-        + f"; same block count: {summary['same_block_count']}")
+        print(
+            f"{name} / excluded (ratio of medians): start-up "
+            f"{ratios['startup_s']['ratio_of_medians']:.3f}, launch->ready "
+            f"{ratios['ready_after_launch_s']['ratio_of_medians']:.3f}, start-up CPU "
+            f"{ratios['startup_cpu_s']['ratio_of_medians']:.3f}, throughput "
+            f"{ratios['tokens_per_s']['ratio_of_medians']:.3f}, tokens per CPU second "
+            f"{ratios['tokens_per_cpu_s']['ratio_of_medians']:.3f}"
+        )
+    print(
+        "same-variant spread (max/min - 1): "
+        + ", ".join(f"{k} {c.fmt(v)}" for k, v in noise.items())
+        + f"; same block count: {summary['same_block_count']}"
+    )
     attr = summary.get("startup_attribution")
     if attr:
-        print(f"first process, cap set: device total memory "
-              f"{attr['device_total_memory_s']['median'] * 1e3:.2f} ms, then "
-              f"compat.check_hooks_at_startup() first call "
-              f"{attr['check_hooks_first_s']['median'] * 1e3:.1f} ms (together they import "
-              f"{attr['modules_added_count']} modules; problems: {attr['problems']}), again "
-              f"{attr['check_hooks_again_s']['median'] * 1e3:.2f} ms")
+        print(
+            f"first process, cap set: device total memory "
+            f"{attr['device_total_memory_s']['median'] * 1e3:.2f} ms, then "
+            f"compat.check_hooks_at_startup() first call "
+            f"{attr['check_hooks_first_s']['median'] * 1e3:.1f} ms (together they import "
+            f"{attr['modules_added_count']} modules; problems: {attr['problems']}), again "
+            f"{attr['check_hooks_again_s']['median'] * 1e3:.2f} ms"
+        )
         print(f"  modules they import (top levels): {attr['modules_added_top']}")
-        print(f"  for reference, the full compat.check_hooks() after it: "
-              f"{attr['full_check_hooks_s']['median']:.2f} s (imports "
-              f"{attr['full_check_modules_added_count']} more modules)")
+        print(
+            f"  for reference, the full compat.check_hooks() after it: "
+            f"{attr['full_check_hooks_s']['median']:.2f} s (imports "
+            f"{attr['full_check_modules_added_count']} more modules)"
+        )
     for name in names:
         mods = {tuple(r.get("parent_worker_modules") or ()) for r in rows if r["variant"] == name}
         print(f"{name}: vllm.v1.worker modules in the first process: {sorted(mods)}")

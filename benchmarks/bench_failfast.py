@@ -51,7 +51,8 @@ def main() -> None:
             run = c.run_engine(spec, env, log_name=f"failfast-{name}-{pair}")
             res = run.result
             row = {
-                "pair": pair, "variant": name,
+                "pair": pair,
+                "variant": name,
                 "argument": next(iter(extra)) + f"={args.size}",
                 "failed": not res.get("ok"),
                 "error_after_launch_s": res.get("error_after_launch_s"),
@@ -64,24 +65,39 @@ def main() -> None:
             }
             row.update({k: run.has_log(v) for k, v in MARKERS.items()})
             rows.append(row)
-            print(f"{name}: error after {fmt_s(row['error_after_launch_s'])} "
-                  f"({row['error_type']}), weights loaded: {row['weights_loaded']}", flush=True)
+            print(
+                f"{name}: error after {fmt_s(row['error_after_launch_s'])} "
+                f"({row['error_type']}), weights loaded: {row['weights_loaded']}",
+                flush=True,
+            )
 
     print()
-    print(c.table(rows, [
-        ("pair", "pair"), ("variant", "variant"), ("argument", "argument"),
-        ("error_after_launch_s", "launch->error s"), ("import_s", "import vllm s"),
-        ("error_in_llm_s", "LLM()->error s"), ("process_wall_s", "process exit s"),
-        ("engine_core_started", "engine core"), ("model_load_started", "model load"),
-        ("weights_loaded", "weights loaded"), ("error_type", "error"),
-    ], digits=2))
+    print(
+        c.table(
+            rows,
+            [
+                ("pair", "pair"),
+                ("variant", "variant"),
+                ("argument", "argument"),
+                ("error_after_launch_s", "launch->error s"),
+                ("import_s", "import vllm s"),
+                ("error_in_llm_s", "LLM()->error s"),
+                ("process_wall_s", "process exit s"),
+                ("engine_core_started", "engine core"),
+                ("model_load_started", "model load"),
+                ("weights_loaded", "weights loaded"),
+                ("error_type", "error"),
+            ],
+            digits=2,
+        )
+    )
     med, med_llm = {}, {}
     for name in variants:
-        times = [r["error_after_launch_s"] for r in rows
-                 if r["variant"] == name and r["error_after_launch_s"] is not None]
+        times = [
+            r["error_after_launch_s"] for r in rows if r["variant"] == name and r["error_after_launch_s"] is not None
+        ]
         med[name] = statistics.median(times) if times else None
-        times = [r["error_in_llm_s"] for r in rows
-                 if r["variant"] == name and r["error_in_llm_s"] is not None]
+        times = [r["error_in_llm_s"] for r in rows if r["variant"] == name and r["error_in_llm_s"] is not None]
         med_llm[name] = statistics.median(times) if times else None
     for name in variants:
         cause = next((r["root_cause"] for r in rows if r["variant"] == name), None)
@@ -89,18 +105,21 @@ def main() -> None:
     summary = {
         "median_error_after_launch_s": med,
         "median_error_in_llm_s": med_llm,
-        "ratio_plugin_over_vllm": (med["plugin"] / med["vllm"]
-                                   if med["plugin"] and med["vllm"] else None),
+        "ratio_plugin_over_vllm": (med["plugin"] / med["vllm"] if med["plugin"] and med["vllm"] else None),
         "plugin_stops_before_weights": all(
             r["failed"] and not r["weights_loaded"] and not r["model_load_started"]
-            for r in rows if r["variant"] == "plugin"),
+            for r in rows
+            if r["variant"] == "plugin"
+        ),
         "all_failed": all(r["failed"] for r in rows),
     }
     csv_path, _ = c.save("failfast", rows, {"summary": summary})
-    print(f"\nmedian launch->error: plugin {fmt_s(med['plugin'])}, vLLM {fmt_s(med['vllm'])}; "
-          f"inside LLM(): plugin {fmt_s(med_llm['plugin'])}, vLLM {fmt_s(med_llm['vllm'])}; "
-          f"ratio {c.fmt(summary['ratio_plugin_over_vllm'])}; plugin stops before "
-          f"weights load: {summary['plugin_stops_before_weights']}\nwrote {csv_path}")
+    print(
+        f"\nmedian launch->error: plugin {fmt_s(med['plugin'])}, vLLM {fmt_s(med['vllm'])}; "
+        f"inside LLM(): plugin {fmt_s(med_llm['plugin'])}, vLLM {fmt_s(med_llm['vllm'])}; "
+        f"ratio {c.fmt(summary['ratio_plugin_over_vllm'])}; plugin stops before "
+        f"weights load: {summary['plugin_stops_before_weights']}\nwrote {csv_path}"
+    )
 
 
 def root_cause(log: str) -> str | None:

@@ -31,8 +31,7 @@ import time
 
 import _common as c
 
-TIMED = ("import time as _t; _s = _t.perf_counter(); {stmt}; "
-         "print('IMPORT_S', _t.perf_counter() - _s)")
+TIMED = "import time as _t; _s = _t.perf_counter(); {stmt}; print('IMPORT_S', _t.perf_counter() - _s)"
 
 # Runs in a fresh interpreter with the plugin active: times every hook the
 # plugin runs while vLLM imports, and lists the modules loaded.
@@ -70,16 +69,21 @@ def timed_import(stmt: str, plugin: bool) -> dict[str, float]:
     child, and seconds of the import statement itself."""
     env = c.bench_env(plugin=plugin)
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", TIMED.format(stmt=stmt)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            cwd=c.REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TIMED.format(stmt=stmt)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=c.REPO,
+    )
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - started
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"{stmt!r} failed (exit {proc.returncode})")
-    inner = float(next(l for l in out.splitlines() if l.startswith("IMPORT_S")).split()[1])
+    inner = float(next(line for line in out.splitlines() if line.startswith("IMPORT_S")).split()[1])
     return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "inner": inner}
 
 
@@ -94,15 +98,19 @@ def paired(stmt: str, pairs: int) -> tuple[list[dict], dict]:
             row[f"excluded_{kind}_s"] = times[False][kind]
             row[f"diff_{kind}_ms"] = (times[True][kind] - times[False][kind]) * 1e3
         rows.append(row)
-        print(f"{stmt!r} pair {pair}: wall active {times[True]['wall']:.3f} s, excluded "
-              f"{times[False]['wall']:.3f} s; cpu active {times[True]['cpu']:.3f} s, "
-              f"excluded {times[False]['cpu']:.3f} s", flush=True)
+        print(
+            f"{stmt!r} pair {pair}: wall active {times[True]['wall']:.3f} s, excluded "
+            f"{times[False]['wall']:.3f} s; cpu active {times[True]['cpu']:.3f} s, "
+            f"excluded {times[False]['cpu']:.3f} s",
+            flush=True,
+        )
     summary: dict = {"statement": stmt, "pairs": pairs}
     for kind in ("wall", "cpu", "inner"):
         for key in (f"active_{kind}_s", f"excluded_{kind}_s", f"diff_{kind}_ms"):
             summary[key] = c.spread([r[key] for r in rows])
-        summary[f"ratio_{kind}_medians"] = (summary[f"active_{kind}_s"]["median"]
-                                            / summary[f"excluded_{kind}_s"]["median"])
+        summary[f"ratio_{kind}_medians"] = (
+            summary[f"active_{kind}_s"]["median"] / summary[f"excluded_{kind}_s"]["median"]
+        )
     return rows, summary
 
 
@@ -134,14 +142,21 @@ def bootstrap_import(runs: int) -> dict:
     cumulative microseconds and each module's self microseconds."""
     totals, per_module = [], []
     for _ in range(runs):
-        proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"],
-                              env=c.bench_env(), capture_output=True, text=True, cwd=c.REPO)
+        proc = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", "pass"],
+            env=c.bench_env(),
+            capture_output=True,
+            text=True,
+            cwd=c.REPO,
+        )
         modules = parse_importtime(proc.stderr, "vllm_kv_cache_limit._bootstrap")
         per_module.append(modules)
         totals.append(sum(modules.values()))
     names = sorted({n for m in per_module for n in m})
-    return {"cumulative_us": c.spread(totals),
-            "self_us": {n: statistics.median(m.get(n, 0) for m in per_module) for n in names}}
+    return {
+        "cumulative_us": c.spread(totals),
+        "self_us": {n: statistics.median(m.get(n, 0) for m in per_module) for n in names},
+    }
 
 
 def attribution(runs: int, worker_module: str) -> dict:
@@ -149,20 +164,28 @@ def attribution(runs: int, worker_module: str) -> dict:
     modules_active: set[str] = set()
     for _ in range(runs):
         code = ATTRIBUTION.replace("WORKER_MODULE", repr(worker_module))
-        proc = subprocess.run([sys.executable, "-c", code], env=c.bench_env(),
-                              capture_output=True, text=True, cwd=c.REPO, check=True)
-        data = json.loads(next(l for l in proc.stdout.splitlines()
-                               if l.startswith("ATTR "))[5:])
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=c.bench_env(), capture_output=True, text=True, cwd=c.REPO, check=True
+        )
+        data = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("ATTR "))[5:])
         hooks.append(data["hooks_s"])
         llm_import.append(data["llm_import_s"])
         modules_active = set(data["modules"])
     code = MODULES.replace("WORKER_MODULE", repr(worker_module))
-    proc = subprocess.run([sys.executable, "-c", code], env=c.bench_env(plugin=False),
-                          capture_output=True, text=True, cwd=c.REPO, check=True)
-    modules_excluded = set(json.loads(next(l for l in proc.stdout.splitlines()
-                                           if l.startswith("ATTR "))[5:])["modules"])
-    per_hook = {name: c.spread([h.get(name, 0.0) * 1e3 for h in hooks])
-                for name in sorted({n for h in hooks for n in h})}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=c.bench_env(plugin=False),
+        capture_output=True,
+        text=True,
+        cwd=c.REPO,
+        check=True,
+    )
+    modules_excluded = set(
+        json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("ATTR "))[5:])["modules"]
+    )
+    per_hook = {
+        name: c.spread([h.get(name, 0.0) * 1e3 for h in hooks]) for name in sorted({n for h in hooks for n in h})
+    }
     return {
         "runs": runs,
         "hook_ms_total": c.spread([sum(h.values()) * 1e3 for h in hooks]),
@@ -177,15 +200,14 @@ def attribution(runs: int, worker_module: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=sorted(c.DEVICE_DEFAULTS), default="cpu")
-    parser.add_argument("--pairs", type=int, default=20,
-                        help="pairs for `import vllm` (default 20)")
-    parser.add_argument("--llm-pairs", type=int, default=6,
-                        help="pairs for `from vllm import LLM` (default 6; 20 takes ~7 min)")
+    parser.add_argument("--pairs", type=int, default=20, help="pairs for `import vllm` (default 20)")
+    parser.add_argument(
+        "--llm-pairs", type=int, default=6, help="pairs for `from vllm import LLM` (default 6; 20 takes ~7 min)"
+    )
     parser.add_argument("--attribution-runs", type=int, default=3)
     args = parser.parse_args()
 
-    worker_module = ("vllm.v1.worker.cpu_worker" if args.device == "cpu"
-                     else "vllm.v1.worker.gpu_worker")
+    worker_module = "vllm.v1.worker.cpu_worker" if args.device == "cpu" else "vllm.v1.worker.gpu_worker"
     rows, summaries = [], []
     for stmt, pairs in (("import vllm", args.pairs), ("from vllm import LLM", args.llm_pairs)):
         if pairs <= 0:
@@ -200,37 +222,56 @@ def main() -> None:
     for s in summaries:
         for kind, label in (("wall", "wall, launch to exit"), ("cpu", "CPU user+sys")):
             a, e, d = s[f"active_{kind}_s"], s[f"excluded_{kind}_s"], s[f"diff_{kind}_ms"]
-            table_rows.append({
-                "statement": s["statement"], "measure": label, "pairs": s["pairs"],
-                "active": a["median"], "spread_active": f"{a['q1']:.3f}-{a['q3']:.3f}",
-                "excluded": e["median"], "spread_excluded": f"{e['q1']:.3f}-{e['q3']:.3f}",
-                "diff_ms": d["median"], "diff_iqr": f"{d['q1']:.0f} to {d['q3']:.0f}",
-                "ratio": s[f"ratio_{kind}_medians"],
-            })
+            table_rows.append(
+                {
+                    "statement": s["statement"],
+                    "measure": label,
+                    "pairs": s["pairs"],
+                    "active": a["median"],
+                    "spread_active": f"{a['q1']:.3f}-{a['q3']:.3f}",
+                    "excluded": e["median"],
+                    "spread_excluded": f"{e['q1']:.3f}-{e['q3']:.3f}",
+                    "diff_ms": d["median"],
+                    "diff_iqr": f"{d['q1']:.0f} to {d['q3']:.0f}",
+                    "ratio": s[f"ratio_{kind}_medians"],
+                }
+            )
     print()
-    print(c.table(table_rows, [
-        ("statement", "statement"), ("measure", "measure"), ("pairs", "pairs"),
-        ("active", "active median s"), ("spread_active", "active IQR s"),
-        ("excluded", "excluded median s"), ("spread_excluded", "excluded IQR s"),
-        ("diff_ms", "paired diff median ms"), ("diff_iqr", "paired diff IQR ms"),
-        ("ratio", "ratio of medians"),
-    ]))
+    print(
+        c.table(
+            table_rows,
+            [
+                ("statement", "statement"),
+                ("measure", "measure"),
+                ("pairs", "pairs"),
+                ("active", "active median s"),
+                ("spread_active", "active IQR s"),
+                ("excluded", "excluded median s"),
+                ("spread_excluded", "excluded IQR s"),
+                ("diff_ms", "paired diff median ms"),
+                ("diff_iqr", "paired diff IQR ms"),
+                ("ratio", "ratio of medians"),
+            ],
+        )
+    )
     # Start-up hook: in a bare interpreter everything under it counts; in a
     # vLLM process only the modules vLLM would not import anyway.
     vllm_modules = set(attr.pop("modules_excluded"))
     own = sum(us for n, us in boot["self_us"].items() if n.startswith("vllm_kv_cache_limit"))
     # (The excluded variant still runs the start-up hook, so the plugin's own
     # modules are in its list; they count in full.)
-    marginal = sum(us for n, us in boot["self_us"].items()
-                   if n not in vllm_modules or n.startswith("vllm_kv_cache_limit"))
+    marginal = sum(
+        us for n, us in boot["self_us"].items() if n not in vllm_modules or n.startswith("vllm_kv_cache_limit")
+    )
     hooks_ms = attr["hook_ms_total"]["median"]
-    print(f"\nstart-up hook (-X importtime, bare interpreter): cumulative median "
-          f"{boot['cumulative_us']['median'] / 1e3:.1f} ms (min "
-          f"{boot['cumulative_us']['min'] / 1e3:.1f}), of which the plugin's own modules "
-          f"{own / 1e3:.1f} ms; with the modules vLLM does not import itself: "
-          f"{marginal / 1e3:.1f} ms")
-    print(f"post-import hooks during `from vllm import LLM` + {worker_module}: median "
-          f"{hooks_ms:.1f} ms in all")
+    print(
+        f"\nstart-up hook (-X importtime, bare interpreter): cumulative median "
+        f"{boot['cumulative_us']['median'] / 1e3:.1f} ms (min "
+        f"{boot['cumulative_us']['min'] / 1e3:.1f}), of which the plugin's own modules "
+        f"{own / 1e3:.1f} ms; with the modules vLLM does not import itself: "
+        f"{marginal / 1e3:.1f} ms"
+    )
+    print(f"post-import hooks during `from vllm import LLM` + {worker_module}: median {hooks_ms:.1f} ms in all")
     for name, s in attr["hook_ms"].items():
         print(f"  {name}: {s['median']:.2f} ms")
     print(f"modules added by the plugin in a vLLM process: {attr['extra_modules_with_plugin']}")
@@ -238,17 +279,22 @@ def main() -> None:
         print(f"modules only loaded without the plugin: {attr['modules_missing_with_plugin']}")
     per_vllm_process_ms = marginal / 1e3 + hooks_ms
     summary = {
-        "paired": summaries, "bootstrap_import": boot, "attribution": attr,
+        "paired": summaries,
+        "bootstrap_import": boot,
+        "attribution": attr,
         "startup_hook_own_modules_ms": own / 1e3,
         "startup_hook_marginal_in_vllm_process_ms": marginal / 1e3,
         "direct_overhead_per_vllm_process_ms": per_vllm_process_ms,
         "bare_interpreter_overhead_ms": boot["cumulative_us"]["median"] / 1e3,
-        "target_ms": 20, "target_met_direct": per_vllm_process_ms < 20,
+        "target_ms": 20,
+        "target_met_direct": per_vllm_process_ms < 20,
     }
     csv_path, _ = c.save("import_overhead", rows, {"summary": summary})
-    print(f"\nplugin's own time in a process that imports vLLM (start-up hook modules "
-          f"vLLM does not load + post-import hooks): {per_vllm_process_ms:.1f} ms; under "
-          f"20 ms: {per_vllm_process_ms < 20}\nwrote {csv_path}")
+    print(
+        f"\nplugin's own time in a process that imports vLLM (start-up hook modules "
+        f"vLLM does not load + post-import hooks): {per_vllm_process_ms:.1f} ms; under "
+        f"20 ms: {per_vllm_process_ms < 20}\nwrote {csv_path}"
+    )
 
 
 if __name__ == "__main__":

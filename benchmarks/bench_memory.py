@@ -44,8 +44,7 @@ def main() -> None:
     c.add_common_args(parser)
     parser.add_argument("--caps", nargs="+", default=DEFAULT_CAPS)
     parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--cycles", type=int, default=1,
-                        help="repeat no-cap + caps this many times (default 1)")
+    parser.add_argument("--cycles", type=int, default=1, help="repeat no-cap + caps this many times (default 1)")
     args = parser.parse_args()
 
     from vllm_kv_cache_limit.sizes import parse_size
@@ -61,16 +60,23 @@ def main() -> None:
             run = c.run_engine(spec, c.bench_env(), log_name=f"memory-{text}-{cycle}")
             c.check_ok(run, f"engine with cap {text}")
             worker = run.result["workers"][0]
-            raw.append({
-                "cycle": cycle, "cap": text, "cap_bytes": cap,
-                "kv_bytes": worker["kv_cache_bytes"],
-                "kv_resident_bytes": worker.get("kv_resident_bytes"),
-                "in_use_bytes": memory_in_use(worker, args.device),
-                "tree_rss_bytes": run.result.get("tree_rss_bytes"),
-                "budget_gib_logged": logged_budget_gib(run.log),
-            })
-            print(f"cycle {cycle} cap {text}: KV {c.mib(worker['kv_cache_bytes']):.1f} MiB, "
-                  f"in use {c.mib(raw[-1]['in_use_bytes']):.1f} MiB", flush=True)
+            raw.append(
+                {
+                    "cycle": cycle,
+                    "cap": text,
+                    "cap_bytes": cap,
+                    "kv_bytes": worker["kv_cache_bytes"],
+                    "kv_resident_bytes": worker.get("kv_resident_bytes"),
+                    "in_use_bytes": memory_in_use(worker, args.device),
+                    "tree_rss_bytes": run.result.get("tree_rss_bytes"),
+                    "budget_gib_logged": logged_budget_gib(run.log),
+                }
+            )
+            print(
+                f"cycle {cycle} cap {text}: KV {c.mib(worker['kv_cache_bytes']):.1f} MiB, "
+                f"in use {c.mib(raw[-1]['in_use_bytes']):.1f} MiB",
+                flush=True,
+            )
 
     rows = []
     for cycle in range(args.cycles):
@@ -91,32 +97,45 @@ def main() -> None:
                 row["expected_drop_mib"] = c.mib(expected)
                 row["drop_mib"] = c.mib(drop)
                 row["drop_ratio"] = drop / expected if expected else None
-                row["tree_drop_ratio"] = ((base["tree_rss_bytes"] - r["tree_rss_bytes"]) / expected
-                                          if expected else None)
+                row["tree_drop_ratio"] = (base["tree_rss_bytes"] - r["tree_rss_bytes"]) / expected if expected else None
                 row["within_5pct"] = abs(drop / expected - 1) <= 0.05 if expected else None
             rows.append(row)
 
     print()
-    print(c.table(rows, [
-        ("cycle", "cycle"), ("cap", "cap"), ("budget_gib_logged", "budget GiB (log)"),
-        ("kv_mib", "KV MiB"), ("kv_resident_mib", "KV resident MiB"),
-        ("in_use_mib", "worker RSS MiB" if args.device == "cpu" else "device used MiB"),
-        ("non_kv_mib", "in use - KV MiB"), ("expected_drop_mib", "budget-cap MiB"), ("drop_mib", "drop MiB"),
-        ("drop_ratio", "drop/(budget-cap)"), ("tree_drop_ratio", "all procs drop ratio"),
-        ("within_5pct", "within 5%"),
-    ]))
+    print(
+        c.table(
+            rows,
+            [
+                ("cycle", "cycle"),
+                ("cap", "cap"),
+                ("budget_gib_logged", "budget GiB (log)"),
+                ("kv_mib", "KV MiB"),
+                ("kv_resident_mib", "KV resident MiB"),
+                ("in_use_mib", "worker RSS MiB" if args.device == "cpu" else "device used MiB"),
+                ("non_kv_mib", "in use - KV MiB"),
+                ("expected_drop_mib", "budget-cap MiB"),
+                ("drop_mib", "drop MiB"),
+                ("drop_ratio", "drop/(budget-cap)"),
+                ("tree_drop_ratio", "all procs drop ratio"),
+                ("within_5pct", "within 5%"),
+            ],
+        )
+    )
     checked = [r["within_5pct"] for r in rows if r.get("within_5pct") is not None]
-    touched = [r["kv_resident_bytes"] / r["kv_bytes"] for r in raw
-               if r.get("kv_resident_bytes") is not None and r["kv_bytes"]]
+    touched = [
+        r["kv_resident_bytes"] / r["kv_bytes"] for r in raw if r.get("kv_resident_bytes") is not None and r["kv_bytes"]
+    ]
     summary = {
         "target_met": bool(checked) and all(checked),
         "kv_resident_fraction_min": min(touched) if touched else None,
         "measure": "worker RSS" if args.device == "cpu" else "device memory in use",
     }
     csv_path, _ = c.save("memory", rows, {"summary": summary})
-    print(f"\ndrop within 5% of (budget - cap) for every cap: {summary['target_met']}; "
-          f"smallest resident fraction of the KV buffer: {summary['kv_resident_fraction_min']}"
-          f"\nwrote {csv_path}")
+    print(
+        f"\ndrop within 5% of (budget - cap) for every cap: {summary['target_met']}; "
+        f"smallest resident fraction of the KV buffer: {summary['kv_resident_fraction_min']}"
+        f"\nwrote {csv_path}"
+    )
 
 
 if __name__ == "__main__":

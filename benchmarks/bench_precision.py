@@ -33,8 +33,7 @@ def main() -> None:
     caps = [(text, c.parse_cap(text, assumed_block)) for text in args.caps]
     rows = []
     for text, cap in caps:
-        spec = c.base_engine_args(args, max_model_len=args.max_model_len,
-                                  kv_cache_max_memory=cap)
+        spec = c.base_engine_args(args, max_model_len=args.max_model_len, kv_cache_max_memory=cap)
         run = c.run_engine(spec, c.bench_env(), log_name=f"precision-{cap}")
         c.check_ok(run, f"engine with cap {text}")
         res = run.result
@@ -43,37 +42,53 @@ def main() -> None:
             block_bytes = allocated // blocks
             cap_blocks = cap / block_bytes
             whole = int(cap_blocks) * block_bytes
-            rows.append({
-                "cap": text,
-                "cap_bytes": cap,
-                "worker": rank,
-                "cap_blocks": cap_blocks,
-                "cap_in_blocks": f"{cap_blocks:.6f}",
-                "allocated_bytes": allocated,
-                "blocks": blocks,
-                "block_bytes": block_bytes,
-                "alloc_over_cap": allocated / cap,
-                "alloc_over_whole_blocks": allocated / whole if whole else None,
-                "under_cap_bytes": cap - allocated,
-                "never_over": allocated <= cap,
-                "within_one_block": 0 <= cap - allocated < block_bytes,
-                "ratio_target": (allocated / cap >= 0.99) if cap_blocks >= 100 else None,
-                "startup_s": res["startup_s"],
-            })
+            rows.append(
+                {
+                    "cap": text,
+                    "cap_bytes": cap,
+                    "worker": rank,
+                    "cap_blocks": cap_blocks,
+                    "cap_in_blocks": f"{cap_blocks:.6f}",
+                    "allocated_bytes": allocated,
+                    "blocks": blocks,
+                    "block_bytes": block_bytes,
+                    "alloc_over_cap": allocated / cap,
+                    "alloc_over_whole_blocks": allocated / whole if whole else None,
+                    "under_cap_bytes": cap - allocated,
+                    "never_over": allocated <= cap,
+                    "within_one_block": 0 <= cap - allocated < block_bytes,
+                    "ratio_target": (allocated / cap >= 0.99) if cap_blocks >= 100 else None,
+                    "startup_s": res["startup_s"],
+                }
+            )
         print(f"cap {text}: {allocated} bytes in {blocks} blocks", flush=True)
         if "blk" in text and block_bytes != assumed_block:
-            print(f"warning: caps in blocks assumed {assumed_block}-byte blocks; the engine "
-                  f"uses {block_bytes}-byte blocks, so {text!r} is not what it says",
-                  flush=True)
+            print(
+                f"warning: caps in blocks assumed {assumed_block}-byte blocks; the engine "
+                f"uses {block_bytes}-byte blocks, so {text!r} is not what it says",
+                flush=True,
+            )
 
     print()
-    print(c.table(rows, [
-        ("cap", "cap"), ("cap_bytes", "cap bytes"), ("cap_in_blocks", "cap/block"),
-        ("allocated_bytes", "allocated bytes"), ("blocks", "blocks"),
-        ("alloc_over_cap", "alloc/cap"), ("alloc_over_whole_blocks", "alloc/whole blocks"),
-        ("under_cap_bytes", "under cap by"), ("never_over", "<= cap"),
-        ("within_one_block", "< 1 block under"), ("ratio_target", ">= 0.99 (>=100 blk)"),
-    ], digits=4))
+    print(
+        c.table(
+            rows,
+            [
+                ("cap", "cap"),
+                ("cap_bytes", "cap bytes"),
+                ("cap_in_blocks", "cap/block"),
+                ("allocated_bytes", "allocated bytes"),
+                ("blocks", "blocks"),
+                ("alloc_over_cap", "alloc/cap"),
+                ("alloc_over_whole_blocks", "alloc/whole blocks"),
+                ("under_cap_bytes", "under cap by"),
+                ("never_over", "<= cap"),
+                ("within_one_block", "< 1 block under"),
+                ("ratio_target", ">= 0.99 (>=100 blk)"),
+            ],
+            digits=4,
+        )
+    )
     summary = {
         "assumed_block_bytes": assumed_block,
         "never_over": all(r["never_over"] for r in rows),
@@ -82,9 +97,11 @@ def main() -> None:
         "max_model_len": args.max_model_len,
     }
     csv_path, _ = c.save("precision", rows, {"summary": summary})
-    print(f"\nnever over the cap: {summary['never_over']}; within one block: "
-          f"{summary['within_one_block']}; >= 0.99 from 100 blocks: "
-          f"{summary['ratio_target_met']}\nwrote {csv_path}")
+    print(
+        f"\nnever over the cap: {summary['never_over']}; within one block: "
+        f"{summary['within_one_block']}; >= 0.99 from 100 blocks: "
+        f"{summary['ratio_target_met']}\nwrote {csv_path}"
+    )
 
 
 if __name__ == "__main__":

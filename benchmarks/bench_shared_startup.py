@@ -28,18 +28,29 @@ from vllm_kv_cache_limit.sizes import parse_size
 def launch(model: str, caps: list[int], lock: bool, folder: Path) -> dict:
     servers = {}
     for i, cap in enumerate(caps):
-        env = c.bench_env(VLLM_SERVER_DEV_MODE="1", VLLM_KV_CACHE_LIMIT_LOCK_DIR=str(folder / "locks"),
-                          VLLM_KV_CACHE_LIMIT_STARTUP_LOCK="1" if lock else "0")
-        args = ["--model", model, "--max-model-len", "512", "--enforce-eager",
-                "--kv-cache-max-memory", str(cap),
-                "--worker-extension-cls", "vllm_kv_cache_limit.probe.KVCacheProbe"]
+        env = c.bench_env(
+            VLLM_SERVER_DEV_MODE="1",
+            VLLM_KV_CACHE_LIMIT_LOCK_DIR=str(folder / "locks"),
+            VLLM_KV_CACHE_LIMIT_STARTUP_LOCK="1" if lock else "0",
+        )
+        args = [
+            "--model",
+            model,
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--kv-cache-max-memory",
+            str(cap),
+            "--worker-extension-cls",
+            "vllm_kv_cache_limit.probe.KVCacheProbe",
+        ]
         servers[f"s{i}"] = (args, env)
     row: dict = {"variant": "lock" if lock else "no lock"}
     with api_servers(servers, folder, c.ENGINE_TIMEOUT_S, c.REPO) as running:
         ready = [s.ready_s for s in running.values()]
         row["failed"] = sum(r is None for r in ready)
         row["all_ready_s"] = max(r for r in ready) if not row["failed"] else None
-        for i, (name, server) in enumerate(running.items()):
+        for i, server in enumerate(running.values()):
             row[f"ready_s_{i}"] = server.ready_s
             kv = None
             if server.ready_s is not None:
@@ -66,19 +77,26 @@ def main() -> None:
                 row = launch(model, caps, lock, Path(tmp))
             row["round"] = r
             rows.append(row)
-            print(c.table([row], [("round", "round"), ("variant", "variant"), ("all_ready_s", "all ready s"),
-                                  ("failed", "failed")]), flush=True)
+            print(
+                c.table(
+                    [row],
+                    [("round", "round"), ("variant", "variant"), ("all_ready_s", "all ready s"), ("failed", "failed")],
+                ),
+                flush=True,
+            )
     ratios = []
     for r in range(args.rounds):
         pair = {row["variant"]: row["all_ready_s"] for row in rows if row["round"] == r}
         if pair.get("lock") and pair.get("no lock"):
             ratios.append(pair["lock"] / pair["no lock"])
     columns = [("round", "round"), ("variant", "variant"), ("all_ready_s", "all ready (s)"), ("failed", "failed")]
-    for i, cap in enumerate(caps):
+    for i in range(len(caps)):
         columns += [(f"ready_s_{i}", f"ready {args.caps[i]} (s)"), (f"kv_is_cap_{i}", f"KV = {args.caps[i]}")]
     print(c.table(rows, columns))
-    summary = {"ratio_all_ready_lock_over_no_lock": ratios,
-               "median_ratio": statistics.median(ratios) if ratios else None}
+    summary = {
+        "ratio_all_ready_lock_over_no_lock": ratios,
+        "median_ratio": statistics.median(ratios) if ratios else None,
+    }
     print("all-ready time, lock / no lock, per round:", ", ".join(f"{x:.2f}" for x in ratios))
     c.save("shared_startup", rows, {"summary": summary, "caps": caps})
 

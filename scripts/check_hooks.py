@@ -65,9 +65,19 @@ def download_wheel(version: str | None, wheels: Path) -> Path:
     requirement = f"vllm=={version}" if version else f"vllm{compat.SUPPORTED_VLLM[0]}"
     wheels.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--platform", "manylinux_2_28_x86_64", "--python-version", "3.11",
-        "--dest", str(wheels), requirement,
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--platform",
+        "manylinux_2_28_x86_64",
+        "--python-version",
+        "3.11",
+        "--dest",
+        str(wheels),
+        requirement,
     ]
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -113,7 +123,7 @@ def extract_sources(wheel: Path, dest_root: Path) -> Path:
 
 def source_version(root: Path) -> str:
     """The version written in a source tree's ``vllm/_version.py``."""
-    text = (root / "vllm" / "_version.py")
+    text = root / "vllm" / "_version.py"
     if text.is_file():
         match = re.search(r"""(?:__version__|version)\s*(?::\s*str)?\s*=\s*['"]([^'"]+)['"]""", text.read_text())
         if match:
@@ -162,12 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     target.add_argument("--source", type=Path, metavar="DIR", help="vLLM source tree: the folder that holds vllm/")
     target.add_argument("--wheel", type=Path, metavar="PATH", help="a vLLM wheel file, read without installing it")
     target.add_argument(
-        "--download", metavar="VERSION", nargs="?", const="", action="append",
+        "--download",
+        metavar="VERSION",
+        nargs="?",
+        const="",
+        action="append",
         help="fetch the vllm==VERSION CUDA wheel into .cache/wheels (default: the newest "
-             "supported); repeat for several versions",
+        "supported); repeat for several versions",
     )
     parser.add_argument("--no-installed", action="store_true", help="do not check the installed vLLM")
-    parser.add_argument("--cache-dir", type=Path, default=CACHE, help="where wheels and sources are kept (default: .cache)")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=CACHE, help="where wheels and sources are kept (default: .cache)"
+    )
     args = parser.parse_args(argv)
 
     ok = True

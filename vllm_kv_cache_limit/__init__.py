@@ -27,6 +27,7 @@ def __getattr__(name: str) -> object:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __version__ = "0.1.0"
 
 _registered = False

@@ -22,6 +22,7 @@ import _thread
 import importlib
 import os
 import sys
+import types  # already loaded by the interpreter's start-up
 
 PLUGIN_NAME = "vllm_kv_cache_limit"
 """The entry point name, as listed in ``VLLM_PLUGINS``."""
@@ -52,7 +53,7 @@ def plugin_allowed(environ: dict[str, str] | os._Environ = os.environ) -> bool:
     return PLUGIN_NAME in [name.strip() for name in allowed.split(",")]
 
 
-def _run_hook(module: object) -> None:
+def _run_hook(module: types.ModuleType) -> None:
     with _lock:
         if module.__name__ in _done:
             return
@@ -83,7 +84,9 @@ def _run_hook(module: object) -> None:
 
         logging.getLogger("vllm.plugins.kv_cache_limit").warning(
             "vllm-kv-cache-limit could not hook %s (%r); the plugin is inactive "
-            "for it, and --kv-cache-max-memory would stop start-up.", module.__name__, exc
+            "for it, and --kv-cache-max-memory would stop start-up.",
+            module.__name__,
+            exc,
         )
 
 
@@ -91,10 +94,7 @@ def cap_in_force(environ: dict[str, str] | os._Environ = os.environ) -> bool:
     """Whether this process belongs to an engine started with a cap: an
     engine-core or worker process of one (the error relay is armed), or any
     process with ``VLLM_KV_CACHE_MAX_MEMORY`` set."""
-    return bool(
-        environ.get("VLLM_KV_CACHE_LIMIT_ERROR_FILE")
-        or environ.get("VLLM_KV_CACHE_MAX_MEMORY", "").strip()
-    )
+    return bool(environ.get("VLLM_KV_CACHE_LIMIT_ERROR_FILE") or environ.get("VLLM_KV_CACHE_MAX_MEMORY", "").strip())
 
 
 def hook_failure_message(problems: list[str]) -> str:
@@ -111,8 +111,10 @@ def hook_failure_message(problems: list[str]) -> str:
 class _HookLoader:
     """Delegates to the real loader, then runs the module's hook."""
 
+    # The loaders are typed loosely: importlib.abc would cost milliseconds at
+    # every interpreter start-up.
     def __init__(self, loader: object) -> None:
-        self._loader = loader
+        self._loader: types.SimpleNamespace = loader  # type: ignore[assignment]
 
     def __getattr__(self, name: str):
         return getattr(self._loader, name)
@@ -120,11 +122,11 @@ class _HookLoader:
     def create_module(self, spec: object):
         return self._loader.create_module(spec)
 
-    def exec_module(self, module: object) -> None:
+    def exec_module(self, module: types.ModuleType) -> None:
         # Give the module its real loader back: inspect and pickle look at it.
         module.__loader__ = self._loader
         if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
+            module.__spec__.loader = self._loader  # type: ignore[assignment]
         self._loader.exec_module(module)
         _run_hook(module)
 
@@ -158,7 +160,7 @@ class _PostImportFinder:
             busy.discard(fullname)
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _HookLoader(spec.loader)
+        spec.loader = _HookLoader(spec.loader)  # type: ignore[assignment]
         return spec
 
 
@@ -169,7 +171,7 @@ def install() -> None:
     with _lock:
         if not _installed:
             _installed = True
-            sys.meta_path.insert(0, _PostImportFinder())
+            sys.meta_path.insert(0, _PostImportFinder())  # type: ignore[arg-type]
     for name in HOOKED_MODULES:
         module = sys.modules.get(name)
         if module is not None:

@@ -33,20 +33,20 @@ from vllm_kv_cache_limit.policy import (
     FLAG,
     CapDecision,
     KVCacheMaxMemoryError,
+    auto_fit_message,
     cap_block_override,
     cap_explicit_size,
     check_cap_fits_before_load,
     check_cap_within_instance,
-    check_explicit_size_within_free,
     check_cap_within_total,
-    auto_fit_message,
+    check_explicit_size_within_free,
     mamba_blocks_message,
     resolve_cap,
     too_small_message,
     utilization_ceiling,
 )
-from vllm_kv_cache_limit.weights import weight_bytes_lower_bound
 from vllm_kv_cache_limit.sizes import format_gib, format_size, parse_size
+from vllm_kv_cache_limit.weights import weight_bytes_lower_bound
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -163,7 +163,7 @@ def add_engine_args_field(cls: type) -> None:
     Upstream: an ``EngineArgs.kv_cache_max_memory`` field."""
     if FIELD in cls.__dict__.get("__dataclass_fields__", {}):
         return
-    field = dataclasses.field(default=None)
+    field: dataclasses.Field[Any] = dataclasses.field(default=None)  # type: ignore[arg-type]
     field.name = FIELD
     field.type = "str | int | None"
     field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
@@ -209,9 +209,7 @@ def _add_cli_flag(original: Callable) -> Callable:
         parser = original(parser, *args, **kwargs)
         if any(FLAG in action.option_strings for action in parser._actions):
             return parser
-        group = next(
-            (g for g in parser._action_groups if g.title == "CacheConfig"), parser
-        )
+        group = next((g for g in parser._action_groups if g.title == "CacheConfig"), parser)
         group.add_argument(
             FLAG,
             dest=FIELD,
@@ -298,8 +296,11 @@ def _instance_devices(vllm_config: Any) -> tuple[list[_Device], int]:
 
         nodes = sorted({cpu.numa_node for cpu in get_allowed_cpu_list()})
         return [
-            _Device(f"cpu-node{node}", f"host memory node {node} (CPU backend)",
-                    functools.partial(lambda n: int(get_memory_node_info(n).available_memory), node))
+            _Device(
+                f"cpu-node{node}",
+                f"host memory node {node} (CPU backend)",
+                functools.partial(lambda n: int(get_memory_node_info(n).available_memory), node),
+            )
             for node in nodes
         ], world
     count = min(world, int(current_platform.device_count()))
@@ -309,7 +310,9 @@ def _instance_devices(vllm_config: Any) -> tuple[list[_Device], int]:
             key = str(current_platform.get_device_uuid(index))
         except Exception:
             key = f"{current_platform.device_type}{current_platform.device_id_to_physical_device_id(index)}"
-        devices.append(_Device(key, f"{current_platform.device_type}:{index} ({key})", functools.partial(_nvml_free, index)))
+        devices.append(
+            _Device(key, f"{current_platform.device_type}:{index} ({key})", functools.partial(_nvml_free, index))
+        )
     return devices, count
 
 
@@ -361,7 +364,9 @@ def _local_model_folder(model_config: Any) -> str | None:
         from huggingface_hub import snapshot_download
 
         return snapshot_download(
-            model, revision=getattr(model_config, "revision", None), local_files_only=True,
+            model,
+            revision=getattr(model_config, "revision", None),
+            local_files_only=True,
             allow_patterns=["*.safetensors", "*.json"],
         )
     except Exception:
@@ -441,7 +446,7 @@ def patch_engine_core(module: Any) -> None:
     _wrap(module.EngineCore, "__init__", _hold_startup_lock)
     _wrap(module, "get_kv_cache_configs", _cap_kv_cache_configs)
     planner, _ = compat.resolve_hook(compat.get_hook("_check_enough_kv_cache_memory"))
-    planner_module = __import__(planner.__module__, fromlist=["_"])  # type: ignore[union-attr]
+    planner_module = __import__(planner.__module__, fromlist=["_"])
     _wrap(planner_module, "_check_enough_kv_cache_memory", _name_cap_when_too_small)
     if _hook_ok("_auto_fit_max_model_len"):
         _wrap(planner_module, "_auto_fit_max_model_len", _name_cap_when_auto_fit_fails)
@@ -469,7 +474,9 @@ def _hold_startup_lock(original: Callable) -> Callable:
 
 
 def _cap_kv_cache_configs(original: Callable) -> Callable:
-    def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: Any, available_memory: list[int], *args: Any, **kwargs: Any) -> Any:
+    def get_kv_cache_configs(
+        vllm_config: Any, kv_cache_specs: Any, available_memory: list[int], *args: Any, **kwargs: Any
+    ) -> Any:
         cache_config = vllm_config.cache_config
         cap = cap_of(cache_config)
         if cap is None:
@@ -486,9 +493,7 @@ def _cap_kv_cache_configs(original: Callable) -> Callable:
                     fit = original(vllm_config, kv_cache_specs, [cap] * len(capped), *args, **kwargs)
                 finally:
                     cache_config.num_gpu_blocks_override = override
-                reduced, warning = cap_block_override(
-                    override, min(c.num_blocks for c in fit), cap
-                )
+                reduced, warning = cap_block_override(override, min(c.num_blocks for c in fit), cap)
                 if warning:
                     logger.warning(warning)
                     cache_config.num_gpu_blocks_override = reduced
@@ -517,7 +522,7 @@ def _log_decision(vllm_config: Any, decisions: list[CapDecision], configs: list[
     logger.info(
         "KV cache max memory: %s = %d bytes (%s GiB) per device; vLLM budget "
         "%d bytes (%s GiB); cap %s; %d blocks, %d tokens. Allocating %d bytes "
-        "(%s GiB) of KV cache per device; vLLM's \"Available KV cache memory\" "
+        '(%s GiB) of KV cache per device; vLLM\'s "Available KV cache memory" '
         "above is its budget before the cap.",
         format_size(cap, "up"),
         cap,
@@ -554,17 +559,21 @@ def _bound_text(cache_config: Any, decisions: list[CapDecision]) -> str:
         return "bound (KV cache reduced to the cap)"
     if cache_config.kv_cache_memory_bytes is not None:
         return "not bound (--kv-cache-memory-bytes is smaller)"
-    return (
-        "not bound (vLLM's budget under --gpu-memory-utilization "
-        f"{cache_config.gpu_memory_utilization} is smaller)"
-    )
+    return f"not bound (vLLM's budget under --gpu-memory-utilization {cache_config.gpu_memory_utilization} is smaller)"
 
 
 def _name_cap_when_too_small(original: Callable) -> Callable:
     """vLLM's check names ``gpu_memory_utilization``; when the cap made the
     memory too small, name the cap, reusing vLLM's estimates."""
 
-    def _check_enough_kv_cache_memory(available_memory: int, get_needed_memory: Callable[[], int], max_model_len: int, estimate_max_model_len: Callable[[int], int], *args: Any, **kwargs: Any) -> Any:
+    def _check_enough_kv_cache_memory(
+        available_memory: int,
+        get_needed_memory: Callable[[], int],
+        max_model_len: int,
+        estimate_max_model_len: Callable[[int], int],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         try:
             return original(available_memory, get_needed_memory, max_model_len, estimate_max_model_len, *args, **kwargs)
         except ValueError:
@@ -576,9 +585,7 @@ def _name_cap_when_too_small(original: Callable) -> Callable:
             reserved = max(0, min(d.kv_bytes for d in decisions) - available_memory)
             needed = get_needed_memory()
             estimate = estimate_max_model_len(available_memory) if available_memory > 0 else 0
-            _raise_cap_error(
-                too_small_message(decisions[0].cap, needed, reserved, max_model_len, estimate)
-            )
+            _raise_cap_error(too_small_message(decisions[0].cap, needed, reserved, max_model_len, estimate))
 
     return _check_enough_kv_cache_memory
 
@@ -623,14 +630,23 @@ def _log_gate(gate: _Gate, utilization: float) -> None:
             "--gpu-memory-utilization %s asks for %s GiB of the %s, but %s GiB is "
             "free at start-up; with %s the utilization is a ceiling, so this "
             "instance requests %s GiB (memory snapshot at %.3f).",
-            utilization, format_gib(wanted), gate.device, format_gib(gate.free), FLAG,
-            format_gib(gate.requested), time.time(),
+            utilization,
+            format_gib(wanted),
+            gate.device,
+            format_gib(gate.free),
+            FLAG,
+            format_gib(gate.requested),
+            time.time(),
         )
     else:
         logger.info(
             "--gpu-memory-utilization %s requests %s GiB of the %s; %s GiB is free "
             "at start-up (memory snapshot at %.3f).",
-            utilization, format_gib(gate.requested), gate.device, format_gib(gate.free), time.time(),
+            utilization,
+            format_gib(gate.requested),
+            gate.device,
+            format_gib(gate.free),
+            time.time(),
         )
 
 
@@ -650,11 +666,15 @@ def patch_gpu_worker(module: Any) -> None:
         return
     _wrap(module, "request_memory", _ceiling_request_memory)
     if _hook_ok("Worker.determine_available_memory") and _hook_ok("get_world_group"):
-        _wrap(module.Worker, "determine_available_memory", functools.partial(_check_cap_fits_instance, _cuda_free_memory))
+        _wrap(
+            module.Worker, "determine_available_memory", functools.partial(_check_cap_fits_instance, _cuda_free_memory)
+        )
 
 
 def _ceiling_request_memory(original: Callable) -> Callable:
-    def request_memory(init_snapshot: Any, cache_config: Any, external_weight_memory: int = 0, *args: Any, **kwargs: Any) -> Any:
+    def request_memory(
+        init_snapshot: Any, cache_config: Any, external_weight_memory: int = 0, *args: Any, **kwargs: Any
+    ) -> Any:
         global _gate
         cap = cap_of(cache_config)
         if cap is None:
@@ -862,8 +882,6 @@ def _name_cap_when_mamba_blocks_short(original: Callable) -> Callable:
                 raise
             backing = max((int(t.size) for t in kv_cache_config.kv_cache_tensors), default=0)
             block_bytes = -(-backing // max(1, kv_cache_config.num_blocks))
-            _raise_cap_error(
-                mamba_blocks_message(decision.cap, kv_cache_config.num_blocks, max_num_reqs, block_bytes)
-            )
+            _raise_cap_error(mamba_blocks_message(decision.cap, kv_cache_config.num_blocks, max_num_reqs, block_bytes))
 
     return resolve_cudagraph_mode_and_sizes

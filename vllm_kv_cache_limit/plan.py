@@ -37,7 +37,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from vllm_kv_cache_limit.policy import ENV_VAR, FLAG
 from vllm_kv_cache_limit.sizes import format_size, parse_size
@@ -134,9 +134,7 @@ def least_bytes_for(needed_blocks: int, start: int, blocks_for: Callable[[int], 
     return high
 
 
-def suggest_cap(
-    required_bytes: int, needed_blocks: int, blocks_for: Callable[[int], int]
-) -> tuple[str, int, int]:
+def suggest_cap(required_bytes: int, needed_blocks: int, blocks_for: Callable[[int], int]) -> tuple[str, int, int]:
     """The smallest tidy size (``format_size(..., "up")``) that gives at least
     ``needed_blocks`` blocks when ``blocks_for`` (the engine's own rounding)
     turns it into blocks. Returns ``(text, bytes, blocks)``."""
@@ -155,6 +153,7 @@ def suggest_cap(
 # ---------------------------------------------------------------------------
 # The model's KV cache, through vLLM
 # ---------------------------------------------------------------------------
+
 
 def _window_from_layer_types(hf_config: Any, layer: int) -> int | None:
     # llama.py, gemma2.py: a layer slides when layer_types says so; a
@@ -398,6 +397,7 @@ def _attention_specs(vllm_config: Any, recipe: _Recipe) -> list[dict[str, Any]]:
     from vllm.distributed.utils import get_pp_indices
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.utils.torch_utils import set_default_torch_dtype
+
     from vllm_kv_cache_limit.compat import customize_attention_spec
 
     model_config = vllm_config.model_config
@@ -427,9 +427,7 @@ def _attention_specs(vllm_config: Any, recipe: _Recipe) -> list[dict[str, Any]]:
                 )
                 spec = attention.get_kv_cache_spec(vllm_config)
                 if spec is not None:
-                    stage[attention.layer_name] = customize_attention_spec(
-                        attention.get_attn_backend(), spec
-                    )
+                    stage[attention.layer_name] = customize_attention_spec(attention.get_attn_backend(), spec)
             stages.append(stage)
     _resolve_layout(vllm_config, [s for stage in stages for s in stage.values()])
     # Workers in DP x PP x TP order; the TP ranks of a stage hold the same specs.
@@ -512,9 +510,7 @@ def _describe_layers(configs: list[Any], tp_size: int) -> list[dict[str, Any]]:
 def _engine_block_size(groups: list[Any]) -> int:
     """``cache_config.block_size`` as the engine core sets it after planning:
     the smallest block of the groups that take part in prefix caching."""
-    participating = [
-        g.kv_cache_spec.block_size for g in groups if getattr(g.kv_cache_spec, "prefix_cacheable", True)
-    ]
+    participating = [g.kv_cache_spec.block_size for g in groups if getattr(g.kv_cache_spec, "prefix_cacheable", True)]
     return min(participating or [g.kv_cache_spec.block_size for g in groups])
 
 
@@ -654,9 +650,7 @@ class KVCachePlan:
             "flag": f"{FLAG} {self.suggested}",
         }
         if self.num_blocks is not None:
-            usable, tokens, max_concurrency = capacity(
-                self.num_blocks, kv.blocks_per_request, kv.max_model_len
-            )
+            usable, tokens, max_concurrency = capacity(self.num_blocks, kv.blocks_per_request, kv.max_model_len)
             out.update(
                 kv_cache_max_memory=self.cap,
                 kv_cache_max_memory_bytes=self.cap_bytes,
@@ -672,9 +666,7 @@ def make_plan(kv: ModelKVCache, concurrency: int, cap: str | None = None) -> KVC
     """Forward answer for ``concurrency`` requests, and the reverse answer
     for ``cap`` when given."""
     needed = required_blocks(kv.blocks_per_request, concurrency)
-    suggested, suggested_bytes, suggested_blocks = suggest_cap(
-        needed * kv.bytes_per_block, needed, kv.blocks_for
-    )
+    suggested, suggested_bytes, suggested_blocks = suggest_cap(needed * kv.bytes_per_block, needed, kv.blocks_for)
     plan = KVCachePlan(
         kv=kv,
         concurrency=concurrency,
@@ -735,8 +727,7 @@ def format_human(plan: KVCachePlan) -> str:
         ("memory per request", _size(kv.blocks_per_request * kv.bytes_per_block)),
         (
             "blocks needed",
-            f"{plan.required_blocks} = {plan.concurrency} x {kv.blocks_per_request} + "
-            f"{NULL_BLOCKS} null block",
+            f"{plan.required_blocks} = {plan.concurrency} x {kv.blocks_per_request} + {NULL_BLOCKS} null block",
         ),
         ("memory needed", f"{_size(plan.required_bytes)} per device"),
         ("suggested", f"{FLAG} {plan.suggested}  ({plan.suggested_num_blocks} blocks)"),
@@ -804,7 +795,7 @@ def _size_arg(value: str) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
 
 
@@ -826,36 +817,54 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per request (prompt + output); default: the model's own, as vLLM derives it",
     )
     parser.add_argument(
-        "--concurrency", type=_positive_int("--concurrency"), default=1,
+        "--concurrency",
+        type=_positive_int("--concurrency"),
+        default=1,
         help="requests of max-model-len tokens that must fit at once (default: 1)",
     )
     parser.add_argument(
-        "-tp", "--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1,
+        "-tp",
+        "--tensor-parallel-size",
+        type=_positive_int("--tensor-parallel-size"),
+        default=1,
         help="tensor parallel size (default: 1); all sizes are per device",
     )
     parser.add_argument(
-        "-pp", "--pipeline-parallel-size", type=_positive_int("--pipeline-parallel-size"), default=1,
+        "-pp",
+        "--pipeline-parallel-size",
+        type=_positive_int("--pipeline-parallel-size"),
+        default=1,
         help="pipeline parallel size (default: 1)",
     )
     parser.add_argument(
-        "--kv-cache-dtype", default="auto",
+        "--kv-cache-dtype",
+        default="auto",
         help="KV cache data type, as vLLM's --kv-cache-dtype (default: auto, the model's dtype on this platform)",
     )
     parser.add_argument(
-        "--block-size", type=_positive_int("--block-size"), default=None,
+        "--block-size",
+        type=_positive_int("--block-size"),
+        default=None,
         help="tokens per KV cache block; default: the platform's (128 on the CPU backend)",
     )
     parser.add_argument(
-        "--dtype", default="auto",
+        "--dtype",
+        default="auto",
         help="model data type, as vLLM's --dtype (default: auto)",
     )
     parser.add_argument(
-        "--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=None,
+        "--max-num-batched-tokens",
+        type=_positive_int("--max-num-batched-tokens"),
+        default=None,
         help="scheduler budget per step; sliding-window layers keep this many extra tokens "
         "(default: vLLM's default for `vllm serve`; LLM(...) uses a larger one)",
     )
     parser.add_argument(
-        FLAG, dest="kv_cache_max_memory", type=_size_arg, default=None, metavar="SIZE",
+        FLAG,
+        dest="kv_cache_max_memory",
+        type=_size_arg,
+        default=None,
+        metavar="SIZE",
         help="also answer the reverse question: the blocks, tokens and concurrency this cap gives",
     )
     parser.add_argument("--trust-remote-code", action="store_true", help="as vLLM's --trust-remote-code")
@@ -906,8 +915,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose:
             raise
         print(
-            f"{PROG}: error: unexpected {type(exc).__name__}: {_first_line(exc)} "
-            f"(--verbose shows the traceback)",
+            f"{PROG}: error: unexpected {type(exc).__name__}: {_first_line(exc)} (--verbose shows the traceback)",
             file=sys.stderr,
         )
         return EXIT_ERROR

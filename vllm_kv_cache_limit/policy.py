@@ -80,9 +80,7 @@ class CapDecision:
         return self.cap < self.budget
 
 
-def cap_explicit_size(
-    kv_cache_memory_bytes: int | None, cap: int | None
-) -> tuple[int | None, str | None]:
+def cap_explicit_size(kv_cache_memory_bytes: int | None, cap: int | None) -> tuple[int | None, str | None]:
     """Reduce an explicit ``kv_cache_memory_bytes`` to the cap when larger.
 
     Returns the size to use and, when it was reduced, a warning to log.
@@ -99,9 +97,7 @@ def cap_explicit_size(
     return cap, warning
 
 
-def cap_block_override(
-    override: int | None, blocks_within_cap: int, cap: int
-) -> tuple[int | None, str | None]:
+def cap_block_override(override: int | None, blocks_within_cap: int, cap: int) -> tuple[int | None, str | None]:
     """Reduce ``num_gpu_blocks_override`` to the whole blocks that fit the cap.
 
     ``blocks_within_cap`` is the block count vLLM computes for ``cap`` bytes.
@@ -129,9 +125,7 @@ def check_cap_within_total(cap: int, total: int, device: str) -> None:
         )
 
 
-def check_explicit_size_within_free(
-    size: int, cap: int, free: int, total: int, device: str
-) -> None:
+def check_explicit_size_within_free(size: int, cap: int, free: int, total: int, device: str) -> None:
     """With an explicit KV cache size (``kv_cache_memory_bytes``, already
     reduced to the cap), vLLM allocates exactly ``size`` without measuring:
     in the worker, after the weights load and before the KV cache is
@@ -152,9 +146,7 @@ def check_explicit_size_within_free(
     )
 
 
-def too_small_message(
-    cap: int, needed: int, reserved: int, max_model_len: int, estimated_max_model_len: int
-) -> str:
+def too_small_message(cap: int, needed: int, reserved: int, max_model_len: int, estimated_max_model_len: int) -> str:
     """The error for a cap that cannot hold one request of ``max_model_len``.
 
     ``needed`` is vLLM's estimate of the KV cache one such request needs,
@@ -178,9 +170,7 @@ def too_small_message(
     )
 
 
-def utilization_ceiling(
-    total: int, free: int, utilization: float, external: int = 0, slack: int = 0
-) -> float | None:
+def utilization_ceiling(total: int, free: int, utilization: float, external: int = 0, slack: int = 0) -> float | None:
     """With a cap, ``--gpu-memory-utilization`` is a ceiling, not a demand.
 
     vLLM asks for ``ceil(total * utilization)`` (less ``external``, weights
@@ -198,9 +188,7 @@ def utilization_ceiling(
     return max(ceiling, 0.0)
 
 
-def check_cap_within_instance(
-    cap: int, budget: int, free_at_start: int, non_kv: int, device: str
-) -> None:
+def check_cap_within_instance(cap: int, budget: int, free_at_start: int, non_kv: int, device: str) -> None:
     """After the weights load and activations are profiled, on a device whose
     free memory (not ``--gpu-memory-utilization``) limited vLLM's budget: a
     cap above the budget cannot be given to this instance, because other
@@ -223,9 +211,7 @@ def check_cap_within_instance(
     )
 
 
-def check_cap_fits_before_load(
-    cap: int, weight_bytes: int, workers: int, free: int, device: str
-) -> None:
+def check_cap_fits_before_load(cap: int, weight_bytes: int, workers: int, free: int, device: str) -> None:
     """In the first process, before any weights load: refuse a cap that cannot
     possibly fit, that is when ``workers`` KV caches of ``cap`` bytes plus the
     ``weight_bytes`` these workers load (a lower bound) exceed the ``free``
@@ -236,16 +222,15 @@ def check_cap_fits_before_load(
         return
     per_worker = (free - weight_bytes) // workers if workers else 0
     weights = (
-        f"the model's weights take at least {_gib(weight_bytes)} ({weight_bytes} bytes) "
-        f"there and " if weight_bytes else ""
+        f"the model's weights take at least {_gib(weight_bytes)} ({weight_bytes} bytes) there and "
+        if weight_bytes
+        else ""
     )
     caps = f"{workers} x the cap" if workers > 1 else "the cap"
     fit = (
-        f"Choose at most {FLAG} {format_size(per_worker, 'down')}, or free memory "
-        f"held by other processes."
+        f"Choose at most {FLAG} {format_size(per_worker, 'down')}, or free memory held by other processes."
         if per_worker > 0
-        else "The weights alone do not fit in the free memory; free memory held "
-        "by other processes."
+        else "The weights alone do not fit in the free memory; free memory held by other processes."
     )
     raise KVCacheMaxMemoryError(
         f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) cannot fit on "
@@ -278,5 +263,5 @@ def mamba_blocks_message(cap: int, num_blocks: int, max_num_seqs: int, block_byt
         f"model needs one block. Pass --max-num-seqs {num_blocks} or less, raise "
         f"the cap to at least {FLAG} {format_size(need, 'up')}, or capture "
         f"piecewise CUDA graphs only (--compilation-config "
-        f"'{{\"cudagraph_mode\": \"PIECEWISE\"}}') or none (--enforce-eager)."
+        f'\'{{"cudagraph_mode": "PIECEWISE"}}\') or none (--enforce-eager).'
     )

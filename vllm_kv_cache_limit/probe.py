@@ -106,9 +106,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         result["worker_rss_bytes"] = llm.collective_rpc(worker_rss_bytes)
         result.update(engine_cache_settings(llm))
         if prompts:
-            outputs = llm.generate(
-                prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0)
-            )
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
             result["texts"] = [o.outputs[0].text for o in outputs]
         result["ok"] = True
     except Exception as exc:  # reported, not raised: the caller reads the line
@@ -158,9 +156,20 @@ def api_servers(
             log_path = folder / f"{name}.log"
             with open(log_path, "w") as log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                     "--host", "127.0.0.1", "--port", str(port), *args],
-                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                    [
+                        sys.executable,
+                        "-m",
+                        "vllm.entrypoints.openai.api_server",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        *args,
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=cwd,
                     start_new_session=True,
                 )
             procs[name] = (proc, Server(f"http://127.0.0.1:{port}", log_path))

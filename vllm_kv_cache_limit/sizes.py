@@ -51,9 +51,7 @@ _UNITS_HELP = (
     "KiB MiB GiB TiB (binary), KB MB GB TB (decimal), B or none (bytes)"
 )
 # ASCII digits only: str.isdigit() and \d accept other scripts' digits too.
-_SIZE_RE = re.compile(
-    r"^[ \t]*(?P<number>[0-9]+(?:\.[0-9]+)?|\.[0-9]+)[ \t]*(?P<unit>[A-Za-z]*)[ \t]*$"
-)
+_SIZE_RE = re.compile(r"^[ \t]*(?P<number>[0-9]+(?:\.[0-9]+)?|\.[0-9]+)[ \t]*(?P<unit>[A-Za-z]*)[ \t]*$")
 
 
 def _invalid(value: object, reason: str) -> ValueError:
@@ -83,8 +81,7 @@ def parse_size(value: str | int) -> int:
         raise _invalid(value, "a bool is not a size")
     if isinstance(value, float):
         raise _invalid(
-            value, f"a float is ambiguous; pass a string such as '{value!r}G' or "
-            f"'{value!r}GiB', or an int of bytes"
+            value, f"a float is ambiguous; pass a string such as '{value!r}G' or '{value!r}GiB', or an int of bytes"
         )
     if isinstance(value, int):
         nbytes = value
@@ -129,10 +126,7 @@ def format_size(nbytes: int, rounding: str = "down") -> str:
         raise ValueError(f"nbytes must not be negative, got {nbytes}")
     for unit, size in _BINARY_UNITS:
         if nbytes >= size:
-            if rounding == "down":
-                count = nbytes * 100 // size
-            else:
-                count = -(-nbytes * 100 // size)
+            count = nbytes * 100 // size if rounding == "down" else -(-nbytes * 100 // size)
             whole, frac = divmod(count, 100)
             text = f"{whole}.{frac:02d}".rstrip("0").rstrip(".")
             return f"{text}{unit}"
@@ -142,4 +136,3 @@ def format_size(nbytes: int, rounding: str = "down") -> str:
 def format_gib(nbytes: int) -> str:
     """Bytes as GiB with two decimals, as vLLM writes memory in its logs."""
     return f"{nbytes / 2**30:.2f}"
-

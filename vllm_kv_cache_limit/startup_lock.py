@@ -166,8 +166,7 @@ class HeldLocks:
                 os.close(fd)
         self.held = []
         logger.info(
-            "KV cache start-up lock released for %s after %.2f s held "
-            "(acquired at %.3f, released at %.3f, pid %d).",
+            "KV cache start-up lock released for %s after %.2f s held (acquired at %.3f, released at %.3f, pid %d).",
             labels,
             released_at - self.acquired_at,
             self.acquired_at,
@@ -199,13 +198,19 @@ def _lock_one(fd: int, label: str, path: str, timeout: float) -> bool:
                 "Gave up waiting for the KV cache start-up lock of %s after %.0f s "
                 "(%s=%s); held by %s. Starting without it: memory readings may "
                 "overlap with that instance's.",
-                label, now - started, LOCK_TIMEOUT_ENV, f"{timeout:g}", _holder(fd),
+                label,
+                now - started,
+                LOCK_TIMEOUT_ENV,
+                f"{timeout:g}",
+                _holder(fd),
             )
             return False
         if now >= next_report:
             logger.info(
                 "Waiting for the KV cache start-up lock of %s (%s), held by %s.",
-                label, path, _holder(fd),
+                label,
+                path,
+                _holder(fd),
             )
             next_report = now + REPORT_EVERY_S
         time.sleep(POLL_S)

@@ -56,9 +56,9 @@ def run_probe(spec: dict[str, Any], env: dict[str, str] | None = None) -> tuple[
         cwd=REPO,
     )
     log = proc.stdout + proc.stderr
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     assert lines, f"probe printed no result (exit {proc.returncode}):\n{log[-4000:]}"
-    return json.loads(lines[-1][len(RESULT_PREFIX):]), log
+    return json.loads(lines[-1][len(RESULT_PREFIX) :]), log
 
 
 def node_memory() -> tuple[int, int]:
@@ -86,7 +86,9 @@ def ballast(nbytes: int) -> Iterator[None]:
     test)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", BALLAST, str(max(0, nbytes))],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
@@ -114,8 +116,7 @@ def available_at_most(fraction: float) -> Iterator[tuple[int, int]]:
             stack.enter_context(ballast(available - int(fraction * total) + 128 * 2**20))
         available, total = node_memory()
         assert available < fraction * total, (
-            f"premise not met: {available} of {total} bytes available, "
-            f"wanted under {fraction:.0%}"
+            f"premise not met: {available} of {total} bytes available, wanted under {fraction:.0%}"
         )
         yield available, total
 

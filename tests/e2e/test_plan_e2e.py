@@ -38,9 +38,12 @@ def _plan(model: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     status = kv_plan.main(
         [
             model,
-            "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
-            "--concurrency", str(CONCURRENCY),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-batched-tokens",
+            str(MAX_NUM_BATCHED_TOKENS),
+            "--concurrency",
+            str(CONCURRENCY),
             "--json",
         ]
     )

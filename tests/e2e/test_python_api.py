@@ -38,7 +38,11 @@ def run_script(tiny_model: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", SCRIPT, tiny_model],
         # cwd "/": the package is found in site-packages only, as for a user.
-        capture_output=True, text=True, timeout=300, env=engine_env(**env), cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=engine_env(**env),
+        cwd="/",
     )
 
 
@@ -46,7 +50,7 @@ def run_script(tiny_model: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_llm_keyword_works_without_importing_the_plugin(tiny_model: str) -> None:
     proc = run_script(tiny_model)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    kv = [l for l in proc.stdout.splitlines() if l.startswith("KV_BYTES")]
+    kv = [line for line in proc.stdout.splitlines() if line.startswith("KV_BYTES")]
     assert kv == [f"KV_BYTES {16 * 2**20}"]
 
 

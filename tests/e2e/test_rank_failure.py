@@ -30,24 +30,31 @@ def test_only_rank_1_short_of_memory_fails_every_rank_without_hanging(tiny_model
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     spec = {
-        "model": tiny_model, "max_model_len": 512, "enforce_eager": False, "seed": 0,
-        "tensor_parallel_size": 2, "kv_cache_memory_bytes": 16 * MiB, "kv_cache_max_memory": "16M",
+        "model": tiny_model,
+        "max_model_len": 512,
+        "enforce_eager": False,
+        "seed": 0,
+        "tensor_parallel_size": 2,
+        "kv_cache_memory_bytes": 16 * MiB,
+        "kv_cache_max_memory": "16M",
     }
-    env = engine_env(**{
-        RUN_MARKER: marker,
-        "VLLM_CPU_OMP_THREADS_BIND": bind,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")])),
-        "KVCL_TEST_LOW_MEMORY_RANK": "1",
-        "KVCL_TEST_LOW_MEMORY_BYTES": str(8 * MiB),
-    })
+    env = engine_env(
+        **{
+            RUN_MARKER: marker,
+            "VLLM_CPU_OMP_THREADS_BIND": bind,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")])),
+            "KVCL_TEST_LOW_MEMORY_RANK": "1",
+            "KVCL_TEST_LOW_MEMORY_BYTES": str(8 * MiB),
+        }
+    )
     log_path = tmp_path / "llm.log"
     started = time.monotonic()
     status, seen = run_watched([sys.executable, str(driver), json.dumps(spec), str(GRACE_S)], env, log_path)
     took = time.monotonic() - started
     log = log_path.read_text()
-    lines = [l for l in log.splitlines() if l.startswith("DRIVER_RESULT ")]
+    lines = [line for line in log.splitlines() if line.startswith("DRIVER_RESULT ")]
     assert lines, f"exit {status}:\n{log[-4000:]}"
-    error = json.loads(lines[-1][len("DRIVER_RESULT "):])["error"]
+    error = json.loads(lines[-1][len("DRIVER_RESULT ") :])["error"]
     assert error and error["type"] == "KVCacheMaxMemoryError", (error, log[-4000:])
     assert "The KV cache of 16777216 bytes" in error["message"], error
     assert "free memory of the host memory node" in error["message"] and "8MiB free" in error["message"], error

@@ -15,9 +15,17 @@ MiB = 2**20
 @pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
     args = [
-        "--model", tiny_model, "--served-model-name", "tiny",
-        "--max-model-len", "512", "--gpu-memory-utilization", "0.25",
-        "--enforce-eager", "--kv-cache-max-memory", "16M",
+        "--model",
+        tiny_model,
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "512",
+        "--gpu-memory-utilization",
+        "0.25",
+        "--enforce-eager",
+        "--kv-cache-max-memory",
+        "16M",
     ]
     with api_servers({"main": (args, engine_env())}, tmp_path_factory.mktemp("server")) as servers:
         yield servers["main"]
@@ -39,7 +47,7 @@ def test_server_answers_a_completion(server) -> None:
 def test_metrics_show_the_cap_and_blocks_within_it(server) -> None:
     base, log_path = server
     metrics = requests.get(f"{base}/metrics", timeout=30).text
-    info = next(l for l in metrics.splitlines() if l.startswith("vllm:cache_config_info{"))
+    info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{"))
     assert 'kv_cache_max_memory="16777216"' in info
     blocks = int(re.search(r'num_gpu_blocks="(\d+)"', info)[1])
     line = re.search(r"KV cache max memory: 16MiB = 16777216 bytes .*; (\d+) blocks", log_path.read_text())
@@ -56,7 +64,10 @@ def test_api_server_help_lists_the_flag_under_cache_config() -> None:
 
     out = subprocess.run(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help=CacheConfig"],
-        capture_output=True, text=True, timeout=300, env=engine_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=engine_env(),
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--kv-cache-max-memory SIZE" in out.stdout, out.stdout[-3000:]

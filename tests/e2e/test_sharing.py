@@ -49,8 +49,11 @@ def test_cap_starts_where_vllms_gate_refuses(tiny_model: str) -> None:
     assert started["ok"], f"{started.get('error_type')}: {started.get('error')}\n{log[-3000:]}"
     assert started["kv_cache_bytes"] == [16 * MiB]  # measured in the worker: exactly the cap
     assert started["texts"] and started["texts"][0]
-    assert re.search(r"--gpu-memory-utilization 0\.92 asks for .* GiB is free at start-up; with "
-                     r"--kv-cache-max-memory the utilization is a ceiling", log), log[-3000:]
+    assert re.search(
+        r"--gpu-memory-utilization 0\.92 asks for .* GiB is free at start-up; with "
+        r"--kv-cache-max-memory the utilization is a ceiling",
+        log,
+    ), log[-3000:]
 
 
 def test_vllms_gate_error_without_the_plugin(tiny_model: str) -> None:
@@ -76,9 +79,17 @@ def three_servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
     for name, cap in CAPS.items():
         env = engine_env(VLLM_SERVER_DEV_MODE="1", VLLM_KV_CACHE_LIMIT_LOCK_DIR=str(folder / "locks"))
         args = [
-            "--model", tiny_model, "--served-model-name", "tiny", "--max-model-len", "512",
-            "--enforce-eager", "--kv-cache-max-memory", f"{cap // MiB}M",
-            "--worker-extension-cls", "vllm_kv_cache_limit.probe.KVCacheProbe",
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            "tiny",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--kv-cache-max-memory",
+            f"{cap // MiB}M",
+            "--worker-extension-cls",
+            "vllm_kv_cache_limit.probe.KVCacheProbe",
         ]
         specs[name] = (args, env)
     with available_at_most(NOT_FREE):
@@ -104,7 +115,13 @@ def test_three_servers_answer_concurrent_completions(three_servers) -> None:
     def complete(base: str) -> dict:
         reply = requests.post(
             f"{base}/v1/completions",
-            json={"model": "tiny", "prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            json={
+                "model": "tiny",
+                "prompt": "Hello, my name is",
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
             timeout=300,
         )
         assert reply.status_code == 200, reply.text
@@ -171,14 +188,15 @@ def run_driver(tiny_model: str, tmp_path: Path, below: int) -> tuple[dict, str, 
     spec = {"model": tiny_model, **ENGINE_ARGS}
     status, seen = run_watched(
         [sys.executable, str(driver), json.dumps(spec), str(below)],
-        engine_env(**{RUN_MARKER: marker}), log_path,
+        engine_env(**{RUN_MARKER: marker}),
+        log_path,
     )
     log = log_path.read_text()
-    lines = [l for l in log.splitlines() if l.startswith("DRIVER_RESULT ")]
+    lines = [line for line in log.splitlines() if line.startswith("DRIVER_RESULT ")]
     assert lines, f"exit {status}:\n{log[-4000:]}"
     marked, alive = wait_until_gone(marker, seen)
     assert marked == [] and alive == [], (marked, alive)  # nothing left behind
-    return json.loads(lines[-1][len("DRIVER_RESULT "):]), log, seen
+    return json.loads(lines[-1][len("DRIVER_RESULT ") :]), log, seen
 
 
 def test_cap_that_cannot_fit_fails_before_weights_load(tiny_model: str, tmp_path: Path) -> None:

@@ -50,12 +50,16 @@ def bind_two_workers(what: str) -> str:
 
 
 def metric_labels(metrics: str, name: str) -> dict[str, str]:
-    line = next(l for l in metrics.splitlines() if l.startswith(name + "{"))
+    line = next(line for line in metrics.splitlines() if line.startswith(name + "{"))
     return dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', line))
 
 
 def metric_sum(metrics: str, name: str) -> float:
-    return sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith(name + "{") or l.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +73,17 @@ def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
         if len(cpus) >= len(CAPS):
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i])
         args = [
-            "--model", tiny_model, "--served-model-name", "tiny",
-            "--max-model-len", "512", "--gpu-memory-utilization", "0.2",
-            "--enforce-eager", "--kv-cache-max-memory", f"{cap // MiB}M",
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            "tiny",
+            "--max-model-len",
+            "512",
+            "--gpu-memory-utilization",
+            "0.2",
+            "--enforce-eager",
+            "--kv-cache-max-memory",
+            f"{cap // MiB}M",
         ]
         specs[name] = (args, env)
     with api_servers(specs, tmp_path_factory.mktemp("side-by-side")) as running:
@@ -124,7 +136,9 @@ def test_each_server_allocates_no_more_than_its_own_cap(servers, tiny_model: str
 
 def test_servers_have_different_block_counts(servers) -> None:
     counts = {
-        name: int(metric_labels(requests.get(f"{base}/metrics", timeout=30).text, "vllm:cache_config_info")["num_gpu_blocks"])
+        name: int(
+            metric_labels(requests.get(f"{base}/metrics", timeout=30).text, "vllm:cache_config_info")["num_gpu_blocks"]
+        )
         for name, (base, _) in servers.items()
     }
     assert counts["large"] == 2 * counts["small"], counts
@@ -142,10 +156,12 @@ def test_tensor_parallel_2_each_worker_respects_the_cap(probe, tiny_model: str) 
         kv_cache_max_memory=f"{cap // MiB}M",
     )
     if not result["ok"]:
-        plugin_frames = [l for l in log.splitlines() if 'File "' in l and "vllm_kv_cache_limit" in l]
+        plugin_frames = [line for line in log.splitlines() if 'File "' in line and "vllm_kv_cache_limit" in line]
         if result.get("error_type") != "KVCacheMaxMemoryError" and not plugin_frames:
-            causes = [l for l in log.splitlines() if re.search(r"\b\w*(Error|Exception):", l)]
-            pytest.skip(f"vLLM's CPU build cannot run tensor parallel 2 here: {(causes or [result.get('error')])[0].strip()}")
+            causes = [line for line in log.splitlines() if re.search(r"\b\w*(Error|Exception):", line)]
+            pytest.skip(
+                f"vLLM's CPU build cannot run tensor parallel 2 here: {(causes or [result.get('error')])[0].strip()}"
+            )
         pytest.fail(f"{result.get('error_type')}: {result.get('error')}\n{log[-4000:]}")
     per_block = kv_bytes_per_block(tiny_model, result["block_size"], tensor_parallel_size=2)
     assert len(result["kv_cache_bytes"]) == 2

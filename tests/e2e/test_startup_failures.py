@@ -86,11 +86,15 @@ def failure_case(name: str, tmp_path: Path) -> tuple[str, dict[str, str], list[s
         return "64K", {}, ["is too small for one request of max_model_len=512"]
     if name == "unsupported_vllm":
         env, problem = drift_env(tmp_path, "missing")
-        return "16M", env, [
-            f"cannot enforce --kv-cache-max-memory on the installed vLLM {compat.installed_vllm_version()}",
-            compat.SUPPORTED_VLLM[0],
-            problem,
-        ]
+        return (
+            "16M",
+            env,
+            [
+                f"cannot enforce --kv-cache-max-memory on the installed vLLM {compat.installed_vllm_version()}",
+                compat.SUPPORTED_VLLM[0],
+                problem,
+            ],
+        )
     raise KeyError(name)
 
 
@@ -103,7 +107,9 @@ def marked_processes(marker: str) -> list[dict[str, Any]]:
     for proc in psutil.process_iter(["pid", "name", "cmdline"]):
         try:
             if proc.environ().get(RUN_MARKER) == marker and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append({"pid": proc.pid, "name": proc.info["name"], "cmdline": " ".join(proc.info["cmdline"] or [])})
+                found.append(
+                    {"pid": proc.pid, "name": proc.info["name"], "cmdline": " ".join(proc.info["cmdline"] or [])}
+                )
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
@@ -168,9 +174,9 @@ def test_llm_raises_and_leaves_no_process(tiny_model: str, tmp_path: Path, case:
     log_path = tmp_path / "llm.log"
     status, seen = run_watched([sys.executable, str(driver), json.dumps(spec), str(GRACE_S)], env, log_path)
     log = log_path.read_text()
-    lines = [l for l in log.splitlines() if l.startswith("DRIVER_RESULT ")]
+    lines = [line for line in log.splitlines() if line.startswith("DRIVER_RESULT ")]
     assert lines, f"exit {status}:\n{log[-4000:]}"
-    result = json.loads(lines[-1][len("DRIVER_RESULT "):])
+    result = json.loads(lines[-1][len("DRIVER_RESULT ") :])
 
     error = result["error"]
     assert error is not None, "LLM(...) started despite the bad cap"
@@ -192,10 +198,22 @@ def test_api_server_exits_with_message_and_leaves_no_process(tiny_model: str, tm
     cap, extra_env, fragments = failure_case(case, tmp_path)
     marker = uuid.uuid4().hex
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", tiny_model, "--host", "127.0.0.1", "--port", str(free_port()),
-        "--max-model-len", "512", "--gpu-memory-utilization", str(BASE_ENGINE_ARGS["gpu_memory_utilization"]),
-        "--enforce-eager", "--kv-cache-max-memory", cap,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        tiny_model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "--max-model-len",
+        "512",
+        "--gpu-memory-utilization",
+        str(BASE_ENGINE_ARGS["gpu_memory_utilization"]),
+        "--enforce-eager",
+        "--kv-cache-max-memory",
+        cap,
     ]
     log_path = tmp_path / "server.log"
     status, seen = run_watched(command, engine_env(**extra_env, **{RUN_MARKER: marker}), log_path)
@@ -207,7 +225,8 @@ def test_api_server_exits_with_message_and_leaves_no_process(tiny_model: str, tm
         assert fragment in last, last
     if case == "too_small":  # the others fail in the first process, before any engine
         assert any("EngineCore" in what or "spawn" in what for _, what in seen.values()), (
-            "the engine core never started, so this run checks no clean-up", seen
+            "the engine core never started, so this run checks no clean-up",
+            seen,
         )
     marked, alive = wait_until_gone(marker, seen)
     assert marked == [] and alive == [], (marked, alive)

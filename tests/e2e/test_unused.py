@@ -19,7 +19,9 @@ from vllm_kv_cache_limit.policy import FLAG
 WITHOUT_PLUGIN = {"VLLM_PLUGINS": ""}
 PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4"]
 # "(EngineCore pid=123) WARNING 11-30 03:38:00 [file.py:12] message"
-_LOG_PREFIX = re.compile(r"^(?:\((?P<proc>[A-Za-z_]+)[^)]*\) )?(?P<level>WARNING|ERROR) \S+ \S+ \[[^\]]+\] (?P<msg>.*)$")
+_LOG_PREFIX = re.compile(
+    r"^(?:\((?P<proc>[A-Za-z_]+)[^)]*\) )?(?P<level>WARNING|ERROR) \S+ \S+ \[[^\]]+\] (?P<msg>.*)$"
+)
 
 
 def warnings_of(log: str) -> list[str]:
@@ -45,8 +47,9 @@ def test_plugin_is_really_excluded_by_vllm_plugins() -> None:
     )
     outputs = {}
     for name, extra in (("on", {}), ("off", WITHOUT_PLUGIN)):
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env=engine_env(**extra), cwd=REPO, timeout=180)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=engine_env(**extra), cwd=REPO, timeout=180
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         outputs[name] = proc.stdout.split("\n")
     assert outputs["on"][:2] == ["field True", "hooked True"]
@@ -76,7 +79,10 @@ def test_same_kv_cache_and_greedy_output_without_the_flag(probe, tiny_model: str
 def _help(extra_env: dict[str, str]) -> str:
     proc = subprocess.run(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help=all"],
-        capture_output=True, text=True, timeout=180, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
         env=engine_env(COLUMNS="100", **extra_env),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -41,11 +41,17 @@ if compat.check_hooks.__defaults__ == (_old,):
 
 DRIFTS = {
     # vLLM moved get_kv_cache_configs out of the module the plugin hooks.
-    "missing": ("get_kv_cache_configs", {"modules": ("vllm.v1.engine.kv_cache_planner",)},
-                "vllm.v1.engine.kv_cache_planner.get_kv_cache_configs is missing"),
+    "missing": (
+        "get_kv_cache_configs",
+        {"modules": ("vllm.v1.engine.kv_cache_planner",)},
+        "vllm.v1.engine.kv_cache_planner.get_kv_cache_configs is missing",
+    ),
     # vLLM renamed a parameter the plugin relies on.
-    "changed": ("CPUWorker.determine_available_memory", {"params": ("self", "profile")},
-                "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory has changed shape"),
+    "changed": (
+        "CPUWorker.determine_available_memory",
+        {"params": ("self", "profile")},
+        "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory has changed shape",
+    ),
 }
 
 
@@ -55,9 +61,7 @@ def drift_env(tmp_dir: Path, kind: str = "missing") -> tuple[dict[str, str], str
     qualname, changes, problem = DRIFTS[kind]
     folder = tmp_dir / f"drift-{kind}"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sitecustomize.py").write_text(
-        SITECUSTOMIZE.format(kind=kind, qualname=qualname, changes=changes)
-    )
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE.format(kind=kind, qualname=qualname, changes=changes))
     pythonpath = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": pythonpath}, problem
 

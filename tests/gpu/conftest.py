@@ -64,7 +64,11 @@ def tiny_model() -> str:
 
 def gpu_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0"))
+    env.update(
+        HF_HUB_OFFLINE="1",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0"),
+    )
     env.pop("VLLM_KV_CACHE_MAX_MEMORY", None)
     env.update(extra)
     return env
@@ -73,7 +77,9 @@ def gpu_env(**extra: str) -> dict[str, str]:
 class Engine:
     """One engine started by ``engine_driver.py`` in its own process."""
 
-    def __init__(self, spec: dict[str, Any], folder: Path, name: str, hold: bool = False, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, spec: dict[str, Any], folder: Path, name: str, hold: bool = False, env: dict[str, str] | None = None
+    ) -> None:
         self.result_path = folder / f"{name}.json"
         self.log_path = folder / f"{name}.log"
         self.go_path = folder / f"{name}.go"
@@ -81,7 +87,9 @@ class Engine:
         if hold:
             command.append(str(self.go_path))
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=gpu_env(**(env or {})), cwd=REPO)
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=gpu_env(**(env or {})), cwd=REPO
+            )
 
     @property
     def log(self) -> str:

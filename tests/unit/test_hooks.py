@@ -65,7 +65,9 @@ def _parser(vllm_modules):
     return EngineArgs.add_cli_args(FlexibleArgumentParser(exit_on_error=False))
 
 
-@pytest.mark.parametrize(("value", "expected"), [("8G", 8 * GiB), ("512MiB", 512 * 2**20), ("1.5GiB", int(1.5 * GiB)), ("1000", 1000)])
+@pytest.mark.parametrize(
+    ("value", "expected"), [("8G", 8 * GiB), ("512MiB", 512 * 2**20), ("1.5GiB", int(1.5 * GiB)), ("1000", 1000)]
+)
 def test_cli_flag_parses(vllm_modules, value: str, expected: int) -> None:
     EngineArgs, _, _ = vllm_modules
     args = _parser(vllm_modules).parse_args(["--model", LOCAL_MODEL, "--kv-cache-max-memory", value])
@@ -88,7 +90,17 @@ def test_cli_flag_is_in_cache_config_group_with_help(vllm_modules) -> None:
     parser = _parser(vllm_modules)
     group = next(g for g in parser._action_groups if g.title == "CacheConfig")
     action = next(a for a in group._group_actions if "--kv-cache-max-memory" in a.option_strings)
-    for text in ("upper bound", "per device", "smaller of vLLM's own budget", "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--num-gpu-blocks-override", "8G", "512MiB", "1.5GiB"):
+    for text in (
+        "upper bound",
+        "per device",
+        "smaller of vLLM's own budget",
+        "--gpu-memory-utilization",
+        "--kv-cache-memory-bytes",
+        "--num-gpu-blocks-override",
+        "8G",
+        "512MiB",
+        "1.5GiB",
+    ):
         assert text.lower() in " ".join(action.help.split()).lower(), text
 
 
@@ -240,8 +252,8 @@ def _engine_config(model: str, world: int, quantization: str | None = None):
 def test_cuda_fail_fast_weights_plus_caps_against_nvml_free(mocker, tmp_path: Path) -> None:
     """Before any weights load, in the first process: NVML's free memory of
     each local GPU, no CUDA context."""
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     from vllm_kv_cache_limit import _hooks
 
@@ -347,9 +359,13 @@ if len(sys.argv) > 1:
 def _run_failing_hook(env_extra: dict[str, str], *args: str) -> str:
     import os
 
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_KV_CACHE_MAX_MEMORY", "VLLM_KV_CACHE_LIMIT_ERROR_FILE")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("VLLM_KV_CACHE_MAX_MEMORY", "VLLM_KV_CACHE_LIMIT_ERROR_FILE")
+    }
     env.update(env_extra)
-    proc = subprocess.run([sys.executable, "-c", FAILING_HOOK, *args], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", FAILING_HOOK, *args], capture_output=True, text=True, env=env, timeout=300
+    )
     return proc.stdout + proc.stderr
 
 
@@ -389,8 +405,10 @@ def test_every_hook_is_listed_in_compat() -> None:
     checked = {
         node.args[0].value
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_hook_ok"
-        and node.args and isinstance(node.args[0], ast.Constant)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "_hook_ok"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
     }
     assert checked and checked <= listed_names, checked - listed_names
     for name in _bootstrap.HOOKED_MODULES.values():
@@ -410,13 +428,21 @@ def test_mamba_block_shortage_names_the_cap_when_it_binds(mocker, decision: str)
 
     register()
     cap = 40 * 1024
-    worker_cap = {"none": None, "not bound": CapDecision(budget=cap // 2, cap=cap), "bound": CapDecision(budget=GiB, cap=cap)}[decision]
+    worker_cap = {
+        "none": None,
+        "not bound": CapDecision(budget=cap // 2, cap=cap),
+        "bound": CapDecision(budget=GiB, cap=cap),
+    }[decision]
     mocker.patch.object(_hooks, "_worker_cap", worker_cap)
     config = CompilationConfig()
     config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    kv_cache_config = SimpleNamespace(has_mamba_layers=True, num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * 4096)])
+    kv_cache_config = SimpleNamespace(
+        has_mamba_layers=True, num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * 4096)]
+    )
     with pytest.raises(ValueError) as info:
-        config.resolve_cudagraph_mode_and_sizes(AttentionCGSupport.ALWAYS, "test", kv_cache_config=kv_cache_config, max_num_reqs=16)
+        config.resolve_cudagraph_mode_and_sizes(
+            AttentionCGSupport.ALWAYS, "test", kv_cache_config=kv_cache_config, max_num_reqs=16
+        )
     if decision != "bound":
         # vLLM's own refusal, unchanged.
         assert type(info.value) is ValueError and "increase gpu_memory_utilization" in str(info.value)
@@ -434,8 +460,10 @@ def test_auto_fit_failure_names_the_cap_when_it_binds(mocker) -> None:
     from vllm_kv_cache_limit.policy import CapDecision
 
     def vllms_auto_fit(*args, **kwargs):
-        raise ValueError("Cannot auto-fit max_model_len: not enough GPU memory available to serve even a single "
-                         "token. Try increasing `gpu_memory_utilization`.")
+        raise ValueError(
+            "Cannot auto-fit max_model_len: not enough GPU memory available to serve even a single "
+            "token. Try increasing `gpu_memory_utilization`."
+        )
 
     wrapped = _hooks._name_cap_when_auto_fit_fails(vllms_auto_fit)
     mocker.patch.object(_hooks._active, "decision", [CapDecision(budget=GiB, cap=64 * 1024)], create=True)

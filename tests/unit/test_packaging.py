@@ -29,9 +29,22 @@ def test_startup_hook_is_installed() -> None:
 def test_pip_install_pulls_no_second_vllm(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation",
-         "--quiet", "--report", str(report), str(REPO)],
-        check=True, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-build-isolation",
+            "--quiet",
+            "--report",
+            str(report),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
     assert "vllm-kv-cache-limit" in names
@@ -45,14 +58,27 @@ def test_require_vllm_explains_how_to_install(monkeypatch: pytest.MonkeyPatch) -
         compat.require_vllm()
 
 
-@pytest.mark.parametrize(("version", "ok"), [("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True), ("0.29.0+cpu", True), ("0.31.9", True), ("0.28.9", False), ("0.34.0", False), ("junk", False)])
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [
+        ("0.32.0", True),
+        ("0.32.0+cpu", True),
+        ("0.33.1", True),
+        ("0.29.0+cpu", True),
+        ("0.31.9", True),
+        ("0.28.9", False),
+        ("0.34.0", False),
+        ("junk", False),
+    ],
+)
 def test_supported_versions(version: str, ok: bool) -> None:
     assert compat.version_supported(version) is ok
 
 
 def test_version_is_declared_once() -> None:
-    import tomllib
     from importlib.metadata import version
+
+    import tomllib
 
     import vllm_kv_cache_limit
 

@@ -75,9 +75,9 @@ def test_bytes_per_token_is_an_int_when_the_block_divides() -> None:
 def _unit_step(text: str) -> Decimal:
     """One step of the last decimal of a format_size result, in bytes."""
     number = text.rstrip("KMGTiB")
-    unit = text[len(number):]
+    unit = text[len(number) :]
     decimals = len(number.split(".")[1]) if "." in number else 0
-    return Decimal(parse_size(f"1{unit}")) / 10**max(decimals, 2) if unit != "B" else Decimal(1)
+    return Decimal(parse_size(f"1{unit}")) / 10 ** max(decimals, 2) if unit != "B" else Decimal(1)
 
 
 @given(
@@ -122,9 +122,7 @@ def test_suggested_cap_gives_up_with_a_plan_error() -> None:
         suggest_cap(5 * 1024, 5, lambda nbytes: 0)
 
 
-@pytest.mark.parametrize(
-    "text, value", [("512", 512), ("32k", 32000), ("32K", 32768), ("1.5k", 1500), ("2M", 2**21)]
-)
+@pytest.mark.parametrize("text, value", [("512", 512), ("32k", 32000), ("32K", 32768), ("1.5k", 1500), ("2M", 2**21)])
 def test_token_counts_read_like_vllm(text: str, value: int) -> None:
     args = kv_plan.build_parser().parse_args(["m", "--max-model-len", text])
     assert args.max_model_len == value
@@ -170,7 +168,9 @@ def test_missing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert f"model folder {missing!r} does not exist" in err
 
 
-def test_missing_folder_under_an_existing_one(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_folder_under_an_existing_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # "models/tiny-lama" is a mistyped folder, not a model id.
     (tmp_path / "models").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -197,11 +197,15 @@ def test_model_id_not_in_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
 def test_error_from_a_subprocess_is_one_line(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_kv_cache_limit.plan", str(tmp_path / "absent")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert proc.stderr.splitlines() == [f"vllm-kv-plan: error: model folder {str(tmp_path / 'absent')!r} does not exist"]
+    assert proc.stderr.splitlines() == [
+        f"vllm-kv-plan: error: model folder {str(tmp_path / 'absent')!r} does not exist"
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -274,8 +278,13 @@ def test_llama_forward_answer_matches_the_config(tiny_llama: str, capsys: pytest
     assert "num_blocks" not in plan
     assert plan["layers"] == [
         {
-            "kind": "full attention", "sliding_window": None, "num_layers": 2, "num_kv_heads": 2,
-            "head_size": 64, "block_size": CPU_BLOCK, "page_bytes": 2 * 2 * 64 * BF16 * CPU_BLOCK,
+            "kind": "full attention",
+            "sliding_window": None,
+            "num_layers": 2,
+            "num_kv_heads": 2,
+            "head_size": 64,
+            "block_size": CPU_BLOCK,
+            "page_bytes": 2 * 2 * 64 * BF16 * CPU_BLOCK,
             "dtype": "bfloat16",
         }
     ]
@@ -292,7 +301,9 @@ def test_llama_reverse_answer(tiny_llama: str, capsys: pytest.CaptureFixture[str
     assert plan["max_concurrency"] == 127 // 4
 
 
-def test_suggestion_is_the_least_that_holds_the_concurrency(tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_suggestion_is_the_least_that_holds_the_concurrency(
+    tiny_llama: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     forward = _plan([tiny_llama, "--max-model-len", "256", "--concurrency", "5"], capsys)
     back = _plan(
         [tiny_llama, "--max-model-len", "256", "--kv-cache-max-memory", forward["suggested_kv_cache_max_memory"]],
@@ -374,9 +385,19 @@ def test_architecture_not_mirrored_is_an_estimate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], config_only: Any
 ) -> None:
     model = config_only(
-        tmp_path, "Phi3Config", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048,
-        pad_token_id=0, eos_token_id=1, bos_token_id=1, architectures=["Phi3ForCausalLM"],
+        tmp_path,
+        "Phi3Config",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+        architectures=["Phi3ForCausalLM"],
     )
     plan = _plan([model, "--max-model-len", "512"], capsys)
     assert plan["exact"] is False
@@ -387,15 +408,31 @@ def test_architecture_not_mirrored_is_an_estimate(
     assert "ESTIMATE: " in out and ": ESTIMATE" in out.splitlines()[0]
 
 
-def test_mla_is_an_estimate(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], config_only: Any
-) -> None:
+def test_mla_is_an_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str], config_only: Any) -> None:
     model = config_only(
-        tmp_path, "DeepseekV3Config", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, vocab_size=512, max_position_embeddings=2048,
-        kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
-        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, moe_intermediate_size=128,
-        n_group=1, topk_group=1, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+        tmp_path,
+        "DeepseekV3Config",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,
+        moe_intermediate_size=128,
+        n_group=1,
+        topk_group=1,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
         architectures=["DeepseekV3ForCausalLM"],
     )
     plan = _plan([model, "--max-model-len", "512"], capsys)
@@ -409,14 +446,30 @@ def test_hybrid_and_attention_free_models_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], config_only: Any
 ) -> None:
     jamba = config_only(
-        tmp_path / "jamba", "JambaConfig", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, pad_token_id=0, eos_token_id=1,
-        bos_token_id=1, architectures=["JambaForCausalLM"],
+        tmp_path / "jamba",
+        "JambaConfig",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+        architectures=["JambaForCausalLM"],
     )
     assert "JambaForCausalLM mixes attention with Mamba" in _fails([jamba], capsys)
     mamba = config_only(
-        tmp_path / "mamba", "MambaConfig", hidden_size=256, num_hidden_layers=2, vocab_size=512,
-        pad_token_id=0, eos_token_id=1, bos_token_id=1, architectures=["MambaForCausalLM"],
+        tmp_path / "mamba",
+        "MambaConfig",
+        hidden_size=256,
+        num_hidden_layers=2,
+        vocab_size=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+        architectures=["MambaForCausalLM"],
     )
     assert "MambaForCausalLM is attention-free" in _fails([mamba], capsys)
 
@@ -437,13 +490,32 @@ def test_human_table(tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_console_script_in_a_subprocess(tiny_llama: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_kv_cache_limit.plan", tiny_llama, "--max-model-len", "512",
-         "--kv-cache-max-memory", "16M", "--json"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "vllm_kv_cache_limit.plan",
+            tiny_llama,
+            "--max-model-len",
+            "512",
+            "--kv-cache-max-memory",
+            "16M",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     plan = json.loads(proc.stdout)  # stdout holds the object and nothing else
-    for key in ("bytes_per_token", "bytes_per_block", "block_size", "required_bytes",
-                "suggested_kv_cache_max_memory", "num_blocks", "tokens", "max_concurrency"):
+    for key in (
+        "bytes_per_token",
+        "bytes_per_block",
+        "block_size",
+        "required_bytes",
+        "suggested_kv_cache_max_memory",
+        "num_blocks",
+        "tokens",
+        "max_concurrency",
+    ):
         assert key in plan
     assert (plan["bytes_per_token"], plan["num_blocks"], plan["max_concurrency"]) == (1024, 128, 31)

@@ -131,7 +131,9 @@ def test_explicit_size_against_free_memory(size: int, cap: int, free: int, fails
         (80 * GiB, 3, 0.5, 0, 0),
     ],
 )
-def test_utilization_ceiling_asks_for_what_is_free(total: int, free: int, utilization: float, external: int, slack: int) -> None:
+def test_utilization_ceiling_asks_for_what_is_free(
+    total: int, free: int, utilization: float, external: int, slack: int
+) -> None:
     import math
 
     assert math.ceil(total * utilization) - external > free  # the premise: vLLM would refuse

@@ -32,7 +32,8 @@ def hold(folder: Path, key: str, seconds: float) -> subprocess.Popen:
     """A process that holds ``key``'s lock for ``seconds``; returns once held."""
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(folder), key, str(seconds)],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "HELD"
     return proc
@@ -80,12 +81,16 @@ def test_locks_are_taken_in_key_order(tmp_path: Path, caplog: pytest.LogCaptureF
     """Instances locking several GPUs take them in one order: none can hold
     one GPU while waiting for another held by an instance waiting for it."""
     with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
-        with startup_lock.acquire([("GPU-b", "cuda:1"), ("GPU-a", "cuda:0"), ("GPU-b", "cuda:1")], folder=str(tmp_path), timeout=1) as held:
+        with startup_lock.acquire(
+            [("GPU-b", "cuda:1"), ("GPU-a", "cuda:0"), ("GPU-b", "cuda:1")], folder=str(tmp_path), timeout=1
+        ) as held:
             assert [label for label, _ in held.held] == ["cuda:0", "cuda:1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["GPU-a.lock", "GPU-b.lock"]
 
 
-def test_planted_symlink_lock_file_is_refused_and_its_target_untouched(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_planted_symlink_lock_file_is_refused_and_its_target_untouched(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     target = tmp_path / "victim"
     target.write_text("precious")
     folder = tmp_path / "locks"

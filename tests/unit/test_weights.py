@@ -13,8 +13,11 @@ from vllm_kv_cache_limit.weights import weight_bytes_lower_bound
 
 def test_bytes_at_the_load_dtype(tmp_path: Path) -> None:
     save_file(
-        {"a": torch.zeros(100, 10, dtype=torch.float32), "b": torch.zeros(7, dtype=torch.bfloat16),
-         "ids": torch.zeros(5, dtype=torch.int64)},
+        {
+            "a": torch.zeros(100, 10, dtype=torch.float32),
+            "b": torch.zeros(7, dtype=torch.bfloat16),
+            "ids": torch.zeros(5, dtype=torch.int64),
+        },
         tmp_path / "model.safetensors",
     )
     # float32 loaded as bfloat16 counts 2 bytes an element; integers as stored.
@@ -26,8 +29,9 @@ def test_sharded_model_counts_the_files_of_its_index(tmp_path: Path) -> None:
     save_file({"a": torch.zeros(10, dtype=torch.float16)}, tmp_path / "model-00001-of-00002.safetensors")
     save_file({"b": torch.zeros(30, dtype=torch.float16)}, tmp_path / "model-00002-of-00002.safetensors")
     save_file({"a": torch.zeros(40, dtype=torch.float16)}, tmp_path / "consolidated.safetensors")
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
     assert weight_bytes_lower_bound(tmp_path, 2) == 80
 
 

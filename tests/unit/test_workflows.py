@@ -19,7 +19,9 @@ def check(paths: list[Path]) -> subprocess.CompletedProcess:
     exe = shutil.which("check-jsonschema", path=str(Path(sys.executable).parent)) or "check-jsonschema"
     return subprocess.run(
         [exe, "--builtin-schema", "vendor.github-workflows", *map(str, paths)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
