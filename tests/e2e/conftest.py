@@ -133,6 +133,30 @@ def probe(tiny_model: str):
     return _probe
 
 
+def server_args(model: str, cap: str | None = None, utilization: float | None = None, *extra: str) -> list[str]:
+    """CLI arguments of an OpenAI API server with ``model`` served as "tiny"
+    (eager, max_model_len 512), with the cap and utilization when given."""
+    args = ["--model", model, "--served-model-name", "tiny", "--max-model-len", "512", "--enforce-eager"]
+    if utilization is not None:
+        args += ["--gpu-memory-utilization", str(utilization)]
+    if cap is not None:
+        args += ["--kv-cache-max-memory", cap]
+    return [*args, *extra]
+
+
+def complete(base: str, prompt: str = "Hello, my name is", max_tokens: int = 16) -> dict[str, Any]:
+    """One greedy completion of exactly ``max_tokens`` tokens from the server at ``base``."""
+    import requests
+
+    reply = requests.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        timeout=300,
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
 @contextlib.contextmanager
 def api_servers(
     servers: dict[str, tuple[list[str], dict[str, str]]], folder: Path

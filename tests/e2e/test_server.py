@@ -7,26 +7,14 @@ import re
 import pytest
 import requests
 
-from tests.e2e.conftest import api_servers, engine_env
+from tests.e2e.conftest import api_servers, engine_env, server_args
 
 MiB = 2**20
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
-    args = [
-        "--model",
-        tiny_model,
-        "--served-model-name",
-        "tiny",
-        "--max-model-len",
-        "512",
-        "--gpu-memory-utilization",
-        "0.25",
-        "--enforce-eager",
-        "--kv-cache-max-memory",
-        "16M",
-    ]
+    args = server_args(tiny_model, "16M", 0.25)
     with api_servers({"main": (args, engine_env())}, tmp_path_factory.mktemp("server")) as servers:
         yield servers["main"]
 

@@ -19,9 +19,11 @@ from tests.e2e.conftest import (
     api_servers,
     available_at_most,
     ballast,
+    complete,
     engine_env,
     node_memory,
     run_probe,
+    server_args,
 )
 from tests.e2e.test_startup_failures import RUN_MARKER, run_watched, wait_until_gone
 
@@ -78,19 +80,9 @@ def three_servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
     specs = {}
     for name, cap in CAPS.items():
         env = engine_env(VLLM_SERVER_DEV_MODE="1", VLLM_KV_CACHE_LIMIT_LOCK_DIR=str(folder / "locks"))
-        args = [
-            "--model",
-            tiny_model,
-            "--served-model-name",
-            "tiny",
-            "--max-model-len",
-            "512",
-            "--enforce-eager",
-            "--kv-cache-max-memory",
-            f"{cap // MiB}M",
-            "--worker-extension-cls",
-            "vllm_kv_cache_limit.probe.KVCacheProbe",
-        ]
+        args = server_args(
+            tiny_model, f"{cap // MiB}M", None, "--worker-extension-cls", "vllm_kv_cache_limit.probe.KVCacheProbe"
+        )
         specs[name] = (args, env)
     with available_at_most(NOT_FREE):
         with api_servers(specs, folder) as running:
@@ -112,24 +104,9 @@ def test_three_servers_each_hold_exactly_their_cap(three_servers) -> None:
 
 
 def test_three_servers_answer_concurrent_completions(three_servers) -> None:
-    def complete(base: str) -> dict:
-        reply = requests.post(
-            f"{base}/v1/completions",
-            json={
-                "model": "tiny",
-                "prompt": "Hello, my name is",
-                "max_tokens": 8,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-            timeout=300,
-        )
-        assert reply.status_code == 200, reply.text
-        return reply.json()
-
     bases = [base for base, _ in three_servers.values()] * 2
     with ThreadPoolExecutor(max_workers=len(bases)) as pool:
-        replies = list(pool.map(complete, bases))
+        replies = list(pool.map(lambda base: complete(base, max_tokens=8), bases))
     assert [r["usage"]["completion_tokens"] for r in replies] == [8] * len(bases)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.e2e.conftest import api_servers, engine_env
+from tests.e2e.conftest import api_servers, complete, engine_env, server_args
 
 MiB = 2**20
 CAPS = {"small": 16 * MiB, "large": 32 * MiB}
@@ -72,32 +72,10 @@ def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
         env = engine_env()
         if len(cpus) >= len(CAPS):
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i])
-        args = [
-            "--model",
-            tiny_model,
-            "--served-model-name",
-            "tiny",
-            "--max-model-len",
-            "512",
-            "--gpu-memory-utilization",
-            "0.2",
-            "--enforce-eager",
-            "--kv-cache-max-memory",
-            f"{cap // MiB}M",
-        ]
+        args = server_args(tiny_model, f"{cap // MiB}M", 0.2)
         specs[name] = (args, env)
     with api_servers(specs, tmp_path_factory.mktemp("side-by-side")) as running:
         yield running
-
-
-def complete(base: str, prompt: str) -> dict:
-    reply = requests.post(
-        f"{base}/v1/completions",
-        json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True},
-        timeout=300,
-    )
-    assert reply.status_code == 200, reply.text
-    return reply.json()
 
 
 def test_two_servers_serve_concurrent_completions(servers) -> None:
