@@ -31,9 +31,19 @@ from vllm_kv_cache_limit import compat
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache"
+DOCS = REPO / "docs" / "compatibility.md"
+TABLE_START, TABLE_END = "<!-- hooks-table:start", "<!-- hooks-table:end -->"
 EXIT_DRIFT = 1
 EXIT_FETCH_FAILED = 3
 _WHEEL_VERSION = re.compile(r"^vllm-(?P<version>[^-]+)-")
+
+
+def docs_with_hooks_table(text: str) -> str:
+    """``text`` (docs/compatibility.md) with its hooks table regenerated."""
+    start = text.index(TABLE_START)
+    start = text.index("\n", start) + 1
+    end = text.index(TABLE_END)
+    return text[:start] + compat.hooks_table() + text[end:]
 
 
 def wheel_version(wheel: Path) -> str:
@@ -182,9 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-installed", action="store_true", help="do not check the installed vLLM")
     parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="rewrite the hooks table in docs/compatibility.md from compat.HOOKS and exit",
+    )
+    parser.add_argument(
         "--cache-dir", type=Path, default=CACHE, help="where wheels and sources are kept (default: .cache)"
     )
     args = parser.parse_args(argv)
+    if args.write_docs:
+        DOCS.write_text(docs_with_hooks_table(DOCS.read_text()))
+        print(f"wrote the hooks table in {DOCS}")
+        return 0
 
     ok = True
     if not args.no_installed:

@@ -35,6 +35,12 @@ class Hook:
     """Leading parameter names the plugin relies on."""
     versions: str = ""
     """PEP 440 specifier of the vLLM releases that have it; empty: all."""
+    wrapper: str = ""
+    """The plugin function in ``_hooks`` that wraps it; empty: only called."""
+    upstream: str = ""
+    """The vLLM change that would retire the wrapper, or "none yet" and why."""
+    remove_when: str = ""
+    """When the wrapper can go."""
 
     def applies(self, version: str | None) -> bool:
         """Whether vLLM ``version`` (None: any) should have this hook."""
@@ -54,22 +60,51 @@ class Hook:
 
 
 HOOKS: tuple[Hook, ...] = (
-    Hook(("vllm.engine.arg_utils",), "EngineArgs.__init__"),
-    Hook(("vllm.engine.arg_utils",), "EngineArgs.add_cli_args", ("parser",)),
-    Hook(("vllm.engine.arg_utils",), "EngineArgs.create_engine_config", ("self",)),
+    Hook(
+        ("vllm.engine.arg_utils",),
+        "EngineArgs.__init__",
+        wrapper="add_engine_args_field",
+        upstream="none yet: an `EngineArgs.kv_cache_max_memory` field",
+        remove_when="vLLM has the field in every supported release",
+    ),
+    Hook(
+        ("vllm.engine.arg_utils",),
+        "EngineArgs.add_cli_args",
+        ("parser",),
+        wrapper="_add_cli_flag",
+        upstream="none yet: a `CacheConfig.kv_cache_max_memory` field (the flag follows from it)",
+        remove_when="vLLM has the field in every supported release",
+    ),
+    Hook(
+        ("vllm.engine.arg_utils",),
+        "EngineArgs.create_engine_config",
+        ("self",),
+        wrapper="_carry_cap_into_config",
+        upstream="none yet: the field and its checks in `VllmConfig.__post_init__`",
+        remove_when="vLLM carries and checks the cap itself",
+    ),
     Hook(
         ("vllm.v1.engine.core",),
         "get_kv_cache_configs",
         ("vllm_config", "kv_cache_specs", "available_memory"),
+        wrapper="_cap_kv_cache_configs",
+        upstream="none yet: `min(available_memory, kv_cache_max_memory)` in `get_kv_cache_configs`",
+        remove_when="vLLM applies a KV cache cap itself",
     ),
     Hook(
         ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"),
         "_check_enough_kv_cache_memory",
         ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
+        wrapper="_name_cap_when_too_small",
+        upstream="none yet: vLLM's message naming the cap",
+        remove_when="vLLM applies the cap (the message follows)",
     ),
     Hook(
         ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"),
         "_auto_fit_max_model_len",
+        wrapper="_name_cap_when_auto_fit_fails",
+        upstream="none yet: vLLM's message naming the cap",
+        remove_when="vLLM applies the cap (the message follows)",
     ),
     Hook(
         ("vllm.config.compilation",),
@@ -77,14 +112,59 @@ HOOKS: tuple[Hook, ...] = (
         # kv_cache_config and max_num_reqs are read by name (0.29-0.31 put
         # tensor_parallel_size before them).
         ("self", "min_cg_support", "min_cg_attn_backend"),
+        wrapper="_name_cap_when_mamba_blocks_short",
+        upstream="none yet: vLLM's message naming the cap",
+        remove_when="vLLM applies the cap (the message follows)",
     ),
-    Hook(("vllm.v1.engine.core",), "EngineCore.__init__", ("self", "vllm_config")),
-    Hook(("vllm.v1.engine.utils",), "wait_for_engine_startup"),
+    Hook(
+        ("vllm.v1.engine.core",),
+        "EngineCore.__init__",
+        ("self", "vllm_config"),
+        wrapper="_hold_startup_lock",
+        upstream="none yet: per-instance memory accounting instead of device-wide free-memory deltas "
+        "(vllm #55827, #17979 describe the miscount; PR #18974 asks for several instances per GPU)",
+        remove_when="vLLM measures only its own process's memory",
+    ),
+    Hook(
+        ("vllm.v1.engine.utils",),
+        "wait_for_engine_startup",
+        wrapper="_raise_relayed_error",
+        upstream="none yet: the engine core sending its start-up exception to the client",
+        remove_when="vLLM reports the engine core's start-up error itself",
+    ),
     # Wrapped where the GPU worker imports it (``from .utils import ...``).
-    Hook(("vllm.v1.worker.gpu_worker",), "request_memory", ("init_snapshot", "cache_config")),
-    Hook(("vllm.v1.worker.gpu_worker",), "Worker.determine_available_memory", ("self",)),
-    Hook(("vllm.v1.worker.cpu_worker",), "CPUWorker.__init__", ("self", "vllm_config")),
-    Hook(("vllm.v1.worker.cpu_worker",), "CPUWorker.determine_available_memory", ("self",)),
+    Hook(
+        ("vllm.v1.worker.gpu_worker",),
+        "request_memory",
+        ("init_snapshot", "cache_config"),
+        wrapper="_ceiling_request_memory",
+        upstream="none yet: a per-instance memory limit in `request_memory` (vllm #10533, #14376)",
+        remove_when="vLLM's start-up gate accepts an instance that fits",
+    ),
+    Hook(
+        ("vllm.v1.worker.gpu_worker",),
+        "Worker.determine_available_memory",
+        ("self",),
+        wrapper="_check_cap_fits_instance",
+        upstream="none yet: the cap checks where vLLM profiles (PR #56698, open, validates kv_cache_memory_bytes only)",
+        remove_when="vLLM checks the cap against free memory itself",
+    ),
+    Hook(
+        ("vllm.v1.worker.cpu_worker",),
+        "CPUWorker.__init__",
+        ("self", "vllm_config"),
+        wrapper="_ceiling_cpu_worker_init",
+        upstream="none yet: the same ceiling in vLLM's CPU worker",
+        remove_when="vLLM's CPU gate accepts an instance that fits",
+    ),
+    Hook(
+        ("vllm.v1.worker.cpu_worker",),
+        "CPUWorker.determine_available_memory",
+        ("self",),
+        wrapper="_check_cap_fits_instance",
+        upstream="none yet: the cap checks where vLLM's CPU worker sizes its budget",
+        remove_when="vLLM checks the cap against free memory itself",
+    ),
     Hook(("vllm.distributed.parallel_state",), "get_world_group"),
     Hook(("vllm.utils.cpu_resource_utils",), "get_memory_node_info"),
     Hook(("vllm.utils.cpu_resource_utils",), "get_allowed_cpu_list"),
@@ -111,6 +191,24 @@ PLANNER_APIS: tuple[Hook, ...] = (
 """vLLM functions ``vllm-kv-plan`` calls (it wraps none): checked by
 ``scripts/check_hooks.py`` beside ``HOOKS``, but never at engine start-up,
 since the cap does not depend on them."""
+
+
+def hooks_table() -> str:
+    """The Markdown table of ``HOOKS`` in docs/compatibility.md (generated:
+    ``python scripts/check_hooks.py --write-docs``; a test compares)."""
+    rows = [
+        "| vLLM function | parameters relied on | releases | plugin wrapper | upstream change that would retire it | remove when |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for hook in HOOKS:
+        where = " or ".join(f"`{m}`" for m in hook.modules)
+        params = ", ".join(f"`{p}`" for p in hook.params) or "(any)"
+        wrapper = f"`{hook.wrapper}`" if hook.wrapper else "(called, not wrapped)"
+        rows.append(
+            f"| `{hook.qualname}` in {where} | {params} | {hook.versions or 'all'} | {wrapper} "
+            f"| {hook.upstream or '-'} | {hook.remove_when or '-'} |"
+        )
+    return "\n".join(rows) + "\n"
 
 
 def for_version(hooks: tuple[Hook, ...], version: str | None) -> tuple[Hook, ...]:

@@ -270,3 +270,22 @@ def test_extras_use_the_supported_range() -> None:
 def test_version_specific_planner_apis(version: str, names: set[str]) -> None:
     versioned = {h.qualname for h in compat.PLANNER_APIS if h.versions}
     assert {h.qualname for h in compat.for_version(compat.PLANNER_APIS, version)} & versioned == names
+
+
+def test_docs_hooks_table_is_generated_from_hooks(script: ModuleType) -> None:
+    """docs/compatibility.md shows compat.HOOKS as they are (regenerate with
+    ``scripts/check_hooks.py --write-docs``)."""
+    text = script.DOCS.read_text()
+    assert script.docs_with_hooks_table(text) == text, "run scripts/check_hooks.py --write-docs"
+    for hook in compat.HOOKS:
+        assert f"`{hook.qualname}`" in text
+        if hook.wrapper:
+            assert hook.upstream and hook.remove_when, hook.qualname
+
+
+def test_every_wrapper_named_in_hooks_exists() -> None:
+    from vllm_kv_cache_limit import _hooks
+
+    for hook in compat.HOOKS:
+        if hook.wrapper:
+            assert callable(getattr(_hooks, hook.wrapper)), hook.wrapper
