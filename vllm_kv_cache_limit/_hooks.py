@@ -672,23 +672,24 @@ def patch_gpu_worker(module: Any) -> None:
 
 
 def _ceiling_request_memory(original: Callable) -> Callable:
-    def request_memory(
-        init_snapshot: Any, cache_config: Any, external_weight_memory: int = 0, *args: Any, **kwargs: Any
-    ) -> Any:
+    # vLLM 0.29-0.31: request_memory(init_snapshot, cache_config); 0.32+ adds
+    # external_weight_memory. The arguments are passed on as received.
+    def request_memory(init_snapshot: Any, cache_config: Any, *args: Any, **kwargs: Any) -> Any:
         global _gate
         cap = cap_of(cache_config)
         if cap is None:
-            return original(init_snapshot, cache_config, external_weight_memory, *args, **kwargs)
+            return original(init_snapshot, cache_config, *args, **kwargs)
+        external = int(args[0] if args else kwargs.get("external_weight_memory", 0))
         total, free = int(init_snapshot.total_memory), int(init_snapshot.free_memory)
         utilization = cache_config.gpu_memory_utilization
-        ceiling = utilization_ceiling(total, free, utilization, external_weight_memory)
+        ceiling = utilization_ceiling(total, free, utilization, external)
         device = str(getattr(init_snapshot, "device_", None) or "GPU")
         if ceiling:
             lowered = copy.copy(cache_config)
             lowered.gpu_memory_utilization = ceiling
-            requested = original(init_snapshot, lowered, external_weight_memory, *args, **kwargs)
+            requested = original(init_snapshot, lowered, *args, **kwargs)
         else:
-            requested = original(init_snapshot, cache_config, external_weight_memory, *args, **kwargs)
+            requested = original(init_snapshot, cache_config, *args, **kwargs)
         _gate = _Gate(device, total, free, int(requested), bool(ceiling))
         _log_gate(_gate, utilization)
         return requested

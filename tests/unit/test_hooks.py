@@ -155,6 +155,24 @@ def test_cuda_gate_refuses_without_cap_and_asks_for_free_memory_with_one() -> No
     assert 20 * GiB - 1 <= wrapped(snapshot, _cache_config(0.9, 8 * GiB), 10 * GiB) <= 20 * GiB
 
 
+def test_cuda_gate_with_the_two_argument_request_memory_of_vllm_0_29_to_0_31() -> None:
+    """vLLM 0.29-0.31 call ``request_memory(init_snapshot, cache_config)``,
+    with no ``external_weight_memory``: the wrapper passes on only what it got."""
+    from vllm.v1.worker.utils import request_memory
+
+    from vllm_kv_cache_limit import _hooks
+
+    def request_memory_0_31(init_snapshot, cache_config):  # the older signature
+        return request_memory(init_snapshot, cache_config)
+
+    wrapped = _hooks._ceiling_request_memory(request_memory_0_31)
+    snapshot = _snapshot(80 * GiB, 20 * GiB)
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
+        wrapped(snapshot, _cache_config(0.9, None))
+    assert 20 * GiB - 1 <= wrapped(snapshot, _cache_config(0.9, 8 * GiB)) <= 20 * GiB
+    assert _hooks._gate.limited_by_free
+
+
 @pytest.mark.parametrize(("utilization", "free"), [(0.9, 79 * GiB), (0.3, 30 * GiB)])
 def test_cuda_gate_unchanged_when_the_utilization_is_free(utilization: float, free: int) -> None:
     from vllm.v1.worker.utils import request_memory
