@@ -780,7 +780,6 @@ _worker_cap: CapDecision | None = None
 
 def _check_cap_fits_instance(read_free: Callable[[Any], tuple[int, int, str]], original: Callable) -> Callable:
     def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
-        global _worker_cap
         cap = cap_of(self.cache_config)
         if cap is None:
             return original(self, *args, **kwargs)
@@ -789,57 +788,76 @@ def _check_cap_fits_instance(read_free: Callable[[Any], tuple[int, int, str]], o
             # vLLM allocates exactly this much without measuring.
             free, total, device = read_free(self)
             _decide_together(lambda: check_explicit_size_within_free(min(explicit, cap), cap, free, total, device))
-            _worker_cap = CapDecision(budget=int(explicit), cap=cap)
+            _record_worker_cap(int(explicit), cap)
             return original(self, *args, **kwargs)
         if read_free is _cpu_free_memory:
             _lower_cpu_request(self)
-        budget = original(self, *args, **kwargs)
-        _worker_cap = CapDecision(budget=int(budget), cap=cap)
-        gate = _gate
 
-        def check() -> None:
+        def profile_and_check() -> Any:
+            # vLLM's own profiling runs inside the shared decision too, so a
+            # rank where it raises still tells the others.
+            budget = original(self, *args, **kwargs)
+            _record_worker_cap(int(budget), cap)
+            gate = _gate
             if gate is not None and gate.limited_by_free:
                 check_cap_within_instance(cap, int(budget), gate.free, gate.requested - int(budget), gate.device)
+            return budget
 
-        _decide_together(check)
-        return budget
+        return _decide_together(profile_and_check)
 
     return determine_available_memory
 
 
-def _decide_together(check: Callable[[], None]) -> None:
-    """Run a cap check on every rank and share the outcome, so that every
-    rank raises the same cap error or none does. A rank that raised alone
-    would leave the others waiting forever in vLLM's next collective (the
-    executor reads replies rank by rank with no timeout)."""
-    message = None
+def _record_worker_cap(budget: int, cap: int) -> None:
+    global _worker_cap
+    _worker_cap = CapDecision(budget=budget, cap=cap)
+
+
+def _decide_together(step: Callable[[], Any]) -> Any:
+    """Run ``step`` (a cap check, possibly with vLLM's profiling) on every
+    rank and share the outcome, so that every rank raises the same cap error
+    or none does, and a rank where vLLM itself failed does not leave the
+    others waiting. A rank that raised alone would leave the others waiting
+    forever in the next collective (the executor reads replies rank by rank
+    with no timeout)."""
+    outcome: tuple[str, str] | None = None
+    failure: Exception | None = None
+    result = None
     try:
-        check()
+        result = step()
     except KVCacheMaxMemoryError as exc:
-        message = str(exc)
-    message = _first_error_of_all_ranks(message)
-    if message:
-        _raise_cap_error(message)
+        outcome, failure = ("cap", str(exc)), exc
+    except Exception as exc:
+        outcome, failure = ("other", f"{type(exc).__name__}: {exc}"), exc
+    found = _first_failure_of_all_ranks(outcome)
+    if found is None:
+        return result
+    rank, (kind, message) = found
+    if kind == "cap":
+        _raise_cap_error(message if outcome == (kind, message) else f"{message} (found by worker rank {rank})")
+    if failure is not None:
+        raise failure
+    raise RuntimeError(f"worker rank {rank} failed while sizing the KV cache: {message}")
 
 
-def _first_error_of_all_ranks(message: str | None) -> str | None:
-    """All ranks of this engine exchange their cap error (None when fine)
-    over vLLM's CPU world group; returns the lowest rank's error, the same
-    on every rank."""
+def _first_failure_of_all_ranks(outcome: tuple[str, str] | None) -> tuple[int, tuple[str, str]] | None:
+    """All ranks of this engine exchange their outcome (None when fine) over
+    vLLM's CPU world group; returns the same (rank, outcome) on every rank:
+    the lowest rank's cap error, else the lowest rank's other failure."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return message
-    from vllm.distributed.parallel_state import get_world_group
+    gathered: list[tuple[str, str] | None] = [outcome]
+    if dist.is_initialized():
+        from vllm.distributed.parallel_state import get_world_group
 
-    group = get_world_group()
-    if group.world_size <= 1:
-        return message
-    gathered: list[str | None] = [None] * group.world_size
-    dist.all_gather_object(gathered, message, group=group.cpu_group)
-    for rank, found in enumerate(gathered):
-        if found:
-            return found if found == message else f"{found} (found by worker rank {rank})"
+        group = get_world_group()
+        if group.world_size > 1:
+            gathered = [None] * group.world_size
+            dist.all_gather_object(gathered, outcome, group=group.cpu_group)
+    for kind in ("cap", "other"):
+        for rank, found in enumerate(gathered):
+            if found is not None and found[0] == kind:
+                return rank, (found[0], found[1])
     return None
 
 

@@ -24,20 +24,14 @@ BOUND_S = 240
 60-120 s; the error must come well before the tests' 300 s engine limit."""
 
 
-def test_only_rank_1_short_of_memory_fails_every_rank_without_hanging(tiny_model: str, tmp_path: Path) -> None:
+def run_tensor_parallel_2(tiny_model: str, tmp_path: Path, **engine_args: object) -> tuple[dict, str, float]:
+    """LLM(...) with tensor parallel 2 where rank 1 sees 8 MiB available;
+    returns the error, the log and how long it took. No process may be left."""
     bind = bind_two_workers("tensor-parallel worker")
     marker = uuid.uuid4().hex
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    spec = {
-        "model": tiny_model,
-        "max_model_len": 512,
-        "enforce_eager": False,
-        "seed": 0,
-        "tensor_parallel_size": 2,
-        "kv_cache_memory_bytes": 16 * MiB,
-        "kv_cache_max_memory": "16M",
-    }
+    spec = {"model": tiny_model, "max_model_len": 512, "seed": 0, "tensor_parallel_size": 2, **engine_args}
     env = engine_env(
         **{
             RUN_MARKER: marker,
@@ -54,12 +48,29 @@ def test_only_rank_1_short_of_memory_fails_every_rank_without_hanging(tiny_model
     log = log_path.read_text()
     lines = [line for line in log.splitlines() if line.startswith("DRIVER_RESULT ")]
     assert lines, f"exit {status}:\n{log[-4000:]}"
-    error = json.loads(lines[-1][len("DRIVER_RESULT ") :])["error"]
+    marked, alive = wait_until_gone(marker, seen)
+    assert marked == [] and alive == [], (marked, alive)
+    return json.loads(lines[-1][len("DRIVER_RESULT ") :])["error"], log, took
+
+
+def test_only_rank_1_short_of_memory_fails_every_rank_without_hanging(tiny_model: str, tmp_path: Path) -> None:
+    # Compiled (not eager), so that rank 0 enters vLLM's warm-up collective
+    # while rank 1 has already failed the explicit-size check.
+    error, log, took = run_tensor_parallel_2(
+        tiny_model, tmp_path, enforce_eager=False, kv_cache_memory_bytes=16 * MiB, kv_cache_max_memory="16M"
+    )
     assert error and error["type"] == "KVCacheMaxMemoryError", (error, log[-4000:])
     assert "The KV cache of 16777216 bytes" in error["message"], error
     assert "free memory of the host memory node" in error["message"] and "8MiB free" in error["message"], error
     # Both ranks raised it (rank 0 names rank 1, which found it).
     assert log.count("found by worker rank 1") >= 1, log[-4000:]
     assert took < BOUND_S, f"start-up took {took:.0f} s to fail"
-    marked, alive = wait_until_gone(marker, seen)
-    assert marked == [] and alive == [], (marked, alive)
+
+
+def test_vllm_failing_on_rank_1_alone_after_profiling_does_not_hang(tiny_model: str, tmp_path: Path) -> None:
+    """vLLM's own CPU gate fails on rank 1 only, after the profiling both
+    ranks ran; rank 0 must not wait forever for rank 1 in the cap decision."""
+    error, log, took = run_tensor_parallel_2(tiny_model, tmp_path, enforce_eager=True, kv_cache_max_memory="16M")
+    assert error is not None, log[-4000:]
+    assert "worker rank 1 failed while sizing the KV cache" in log, log[-4000:]
+    assert took < BOUND_S, f"start-up took {took:.0f} s to fail"
