@@ -235,11 +235,19 @@ def acquire(devices: list[tuple[str, str]], folder: str | None = None, timeout: 
         except OSError as exc:
             logger.warning("No KV cache start-up lock for %s: %s.", label, exc)
             continue
-        if not _lock_one(fd, label, path, timeout):
+        try:
+            locked = _lock_one(fd, label, path, timeout)
+        except OSError as exc:  # e.g. ENOLCK on a file system without locks
+            logger.warning("No KV cache start-up lock for %s: %s.", label, exc)
+            locked = False
+        if not locked:
             os.close(fd)
             continue
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} since {time.time():.3f}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} since {time.time():.3f}\n".encode(), 0)
+        except OSError:
+            pass  # the holder's note only serves the waiters' log lines
         held.held.append((label, fd))
     held.acquired_at = time.time()
     held.waited_s = time.monotonic() - started

@@ -134,3 +134,19 @@ def test_settings_from_the_environment() -> None:
     for bad in ("soon", "-1", "nan"):
         with pytest.raises(ValueError, match=f"VLLM_KV_CACHE_LIMIT_LOCK_TIMEOUT='{bad}' is not a number of seconds"):
             startup_lock.lock_timeout({startup_lock.LOCK_TIMEOUT_ENV: bad})
+
+
+def test_a_file_system_without_locks_never_fails_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.kv_cache_limit"):
+        held = startup_lock.acquire([("cpu-node0", "node 0")], folder=str(tmp_path), timeout=1)
+    assert held.held == []
+    assert "No KV cache start-up lock for node 0" in caplog.text and "No locks available" in caplog.text
