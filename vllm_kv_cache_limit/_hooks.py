@@ -14,10 +14,13 @@ functions in ``sizes`` and ``policy``.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import copy
 import dataclasses
 import functools
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -113,14 +116,23 @@ def cap_of(cache_config: Any) -> int | None:
 def _raise_cap_error(message: str) -> None:
     """Raise a cap error; from an engine-core or worker process, also hand
     the message to the first process (see ``patch_engine_startup``)."""
-    path = os.environ.get(ERROR_RELAY_ENV)
-    if path:
-        try:
-            with open(path, "w", encoding="utf-8") as relay:
-                relay.write(message)
-        except OSError:
-            pass
+    relay_cap_error(message)
     raise KVCacheMaxMemoryError(message)
+
+
+def relay_cap_error(message: str) -> None:
+    """Leave ``message`` for the first process, once: the first error written
+    wins. The file lies in the first process's private folder and is created
+    ``O_EXCL | O_NOFOLLOW``, so nothing planted there can redirect it."""
+    path = os.environ.get(ERROR_RELAY_ENV)
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return
+    with os.fdopen(fd, "w", encoding="utf-8") as relay:
+        relay.write(message)
 
 
 # ---------------------------------------------------------------------------
@@ -373,9 +385,18 @@ def _local_model_folder(model_config: Any) -> str | None:
         return None
 
 
+_relay_dir: str | None = None
+
+
 def _arm_error_relay() -> None:
-    path = os.path.join(tempfile.gettempdir(), f"vllm-kv-cache-limit-{os.getpid()}.err")
-    if os.path.exists(path):
+    """Name the relay file for the processes this engine starts: in a folder
+    private to this process (``mkdtemp``, mode 0700), removed at exit."""
+    global _relay_dir
+    if _relay_dir is None or not os.path.isdir(_relay_dir):
+        _relay_dir = tempfile.mkdtemp(prefix="vllm-kv-cache-limit-")
+        atexit.register(shutil.rmtree, _relay_dir, True)
+    path = os.path.join(_relay_dir, "cap-error")
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     os.environ[ERROR_RELAY_ENV] = path
 
@@ -412,14 +433,16 @@ def _raise_relayed_error(original: Callable) -> Callable:
 def take_relayed_error() -> str | None:
     """Read and remove the cap error left by a child process, if any."""
     path = os.environ.get(ERROR_RELAY_ENV)
-    if not path or not os.path.exists(path):
+    if not path:
         return None
     try:
-        with open(path, encoding="utf-8") as relay:
-            message = relay.read()
-        os.unlink(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None
+    with os.fdopen(fd, encoding="utf-8") as relay:
+        message = relay.read()
+    with contextlib.suppress(OSError):
+        os.unlink(path)
     return message or None
 
 

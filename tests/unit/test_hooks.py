@@ -4,15 +4,18 @@ start-up hook, and the CUDA validation path with torch.cuda mocked."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import subprocess
 import sys
 from argparse import ArgumentError
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from vllm_kv_cache_limit import _bootstrap, register
+from vllm_kv_cache_limit import _bootstrap, _hooks, register
 from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
 
 GiB = 2**30
@@ -490,3 +493,42 @@ def test_auto_fit_failure_names_the_cap_when_it_binds(mocker) -> None:
     mocker.patch.object(_hooks._active, "decision", [CapDecision(budget=32 * 1024, cap=64 * 1024)], create=True)
     with pytest.raises(ValueError, match="Try increasing `gpu_memory_utilization`"):
         wrapped()
+
+
+# --- the cap-error relay from child processes to the first process ---------
+
+
+@pytest.fixture
+def armed_relay(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    monkeypatch.delenv(_hooks.ERROR_RELAY_ENV, raising=False)
+    monkeypatch.setattr(_hooks, "_relay_dir", None)
+    _hooks._arm_error_relay()
+    path = os.environ[_hooks.ERROR_RELAY_ENV]
+    yield path
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def test_relay_lies_in_a_folder_private_to_the_first_process(armed_relay: str) -> None:
+    folder = os.path.dirname(armed_relay)
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+    assert os.stat(folder).st_uid == os.getuid()
+    _hooks.relay_cap_error("the cap error")
+    assert _hooks.take_relayed_error() == "the cap error"
+    assert not os.path.exists(armed_relay)
+    assert _hooks.take_relayed_error() is None
+
+
+def test_relay_keeps_the_first_error(armed_relay: str) -> None:
+    _hooks.relay_cap_error("first")
+    _hooks.relay_cap_error("second")
+    assert _hooks.take_relayed_error() == "first"
+
+
+def test_relay_follows_no_planted_symlink(armed_relay: str, tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_text("untouched")
+    os.symlink(target, armed_relay)
+    _hooks.relay_cap_error("the cap error")
+    assert target.read_text() == "untouched"
+    assert _hooks.take_relayed_error() is None  # a symlink is not read either
+    assert target.read_text() == "untouched"
