@@ -9,7 +9,18 @@ from __future__ import annotations
 
 # No `typing` import: it costs more than the rest of the start-up hook.
 
-__all__ = ["KVCacheMaxMemoryError", "__version__", "format_size", "parse_size", "register"]
+__all__ = [
+    "KVCacheMaxMemoryError",
+    "KVCacheResizeError",
+    "__version__",
+    "async_kv_cache_limit_status",
+    "async_set_kv_cache_max_memory",
+    "format_size",
+    "kv_cache_limit_status",
+    "parse_size",
+    "register",
+    "set_kv_cache_max_memory",
+]
 
 # The start-up hook imports this package in every interpreter of the
 # environment, so the public names load on first use only.
@@ -17,6 +28,11 @@ _LAZY = {
     "KVCacheMaxMemoryError": "vllm_kv_cache_limit.policy",
     "format_size": "vllm_kv_cache_limit.sizes",
     "parse_size": "vllm_kv_cache_limit.sizes",
+    "KVCacheResizeError": "vllm_kv_cache_limit.resize",
+    "set_kv_cache_max_memory": "vllm_kv_cache_limit._resize_hooks",
+    "kv_cache_limit_status": "vllm_kv_cache_limit._resize_hooks",
+    "async_set_kv_cache_max_memory": "vllm_kv_cache_limit._resize_hooks",
+    "async_kv_cache_limit_status": "vllm_kv_cache_limit._resize_hooks",
 }
 
 

@@ -35,6 +35,11 @@ HOOKED_MODULES: dict[str, str] = {
     "vllm.v1.engine.utils": "patch_engine_startup",
     "vllm.v1.worker.gpu_worker": "patch_gpu_worker",
     "vllm.v1.worker.cpu_worker": "patch_cpu_worker",
+    # Run-time resize (optional: never stops start-up; see _resize_hooks).
+    "vllm.v1.core.block_pool": "patch_block_pool",
+    "vllm.v1.worker.worker_base": "patch_worker_base",
+    "vllm.entrypoints.launchers.cli_args": "patch_server_arg_parser",
+    "vllm.entrypoints.launchers.app": "patch_server_app",
 }
 
 _lock = _thread.RLock()

@@ -460,6 +460,9 @@ def patch_engine_core(module: Any) -> None:
     that defines it, ``_check_enough_kv_cache_memory`` (for an error that
     names the cap). Upstream: ``min(available_memory, kv_cache_max_memory)``
     in ``get_kv_cache_configs``."""
+    from vllm_kv_cache_limit import _resize_hooks
+
+    _resize_hooks.add_engine_core_methods(module)
     if not (
         _hook_ok("get_kv_cache_configs")
         and _hook_ok("_check_enough_kv_cache_memory")
@@ -927,3 +930,36 @@ def _name_cap_when_mamba_blocks_short(original: Callable) -> Callable:
             _raise_cap_error(mamba_blocks_message(decision.cap, kv_cache_config.num_blocks, max_num_reqs, block_bytes))
 
     return resolve_cudagraph_mode_and_sizes
+
+
+# ---------------------------------------------------------------------------
+# Run-time resize: optional hooks, in _resize_hooks (never stop start-up)
+# ---------------------------------------------------------------------------
+
+
+def patch_block_pool(module: Any) -> None:
+    """See ``_resize_hooks.patch_block_pool``."""
+    from vllm_kv_cache_limit import _resize_hooks
+
+    _resize_hooks.patch_block_pool(module)
+
+
+def patch_worker_base(module: Any) -> None:
+    """See ``_resize_hooks.add_worker_method``."""
+    from vllm_kv_cache_limit import _resize_hooks
+
+    _resize_hooks.add_worker_method(module)
+
+
+def patch_server_arg_parser(module: Any) -> None:
+    """See ``_resize_hooks.patch_server_arg_parser``."""
+    from vllm_kv_cache_limit import _resize_hooks
+
+    _resize_hooks.patch_server_arg_parser(module)
+
+
+def patch_server_app(module: Any) -> None:
+    """See ``_resize_hooks.patch_build_app``."""
+    from vllm_kv_cache_limit import _resize_hooks
+
+    _resize_hooks.patch_build_app(module)

@@ -171,6 +171,80 @@ HOOKS: tuple[Hook, ...] = (
 )
 
 
+_RESIZE_UPSTREAM = "none yet: a resizable KV cache (vllm #18125 asks for it; sleep mode is all-or-nothing)"
+_RESIZE_REMOVE = "vLLM can change its KV cache size at run time"
+
+RESIZE_HOOKS: tuple[Hook, ...] = (
+    Hook(
+        ("vllm.v1.core.block_pool",),
+        "BlockPool.free_blocks",
+        ("self", "ordered_blocks"),
+        wrapper="_withhold_after",
+        upstream=_RESIZE_UPSTREAM,
+        remove_when=_RESIZE_REMOVE,
+    ),
+    Hook(
+        ("vllm.v1.core.block_pool",),
+        "BlockPool.get_usage",
+        ("self",),
+        wrapper="_usage_under_limit",
+        upstream=_RESIZE_UPSTREAM,
+        remove_when=_RESIZE_REMOVE,
+    ),
+    Hook(("vllm.v1.core.block_pool",), "BlockPool._maybe_evict_cached_block", ("self", "block")),
+    Hook(("vllm.v1.core.kv_cache_utils",), "FreeKVCacheBlockQueue.remove", ("self", "block")),
+    Hook(("vllm.v1.core.kv_cache_utils",), "FreeKVCacheBlockQueue.append_n", ("self",)),
+    Hook(("vllm.v1.core.sched.scheduler",), "Scheduler._preempt_request", ("self", "request", "timestamp")),
+    Hook(
+        ("vllm.v1.engine.core",),
+        "EngineCore",
+        wrapper="add_engine_core_methods",
+        upstream=_RESIZE_UPSTREAM,
+        remove_when=_RESIZE_REMOVE,
+    ),
+    Hook(
+        ("vllm.v1.worker.worker_base",),
+        "WorkerBase",
+        wrapper="add_worker_method",
+        upstream=_RESIZE_UPSTREAM,
+        remove_when=_RESIZE_REMOVE,
+    ),
+    Hook(
+        ("vllm.entrypoints.launchers.cli_args",),
+        "make_arg_parser",
+        ("parser",),
+        wrapper="_add_server_flag",
+        upstream="none yet: vLLM's endpoint plugins load only when named in VLLM_PLUGINS",
+        remove_when="the routes ship as a vLLM endpoint plugin enabled by its own flag",
+    ),
+    Hook(
+        ("vllm.entrypoints.launchers.app",),
+        "build_app",
+        ("args",),
+        wrapper="_add_routes",
+        upstream="none yet: vLLM's endpoint plugins load only when named in VLLM_PLUGINS",
+        remove_when="the routes ship as a vLLM endpoint plugin enabled by its own flag",
+    ),
+    Hook(
+        ("vllm.entrypoints.serve.middleware.authenticate",),
+        "AuthenticationMiddleware.verify_token",
+        ("self", "headers"),
+    ),
+)
+"""What run-time resizing (``_resize_hooks``) wraps or calls. Optional: where
+one does not fit, resizing refuses naming it and start-up is not affected,
+so they are never checked at engine start-up; ``scripts/check_hooks.py``
+checks them beside ``HOOKS``."""
+
+
+def get_resize_hook(qualname: str) -> Hook:
+    """The ``RESIZE_HOOKS`` entry for ``qualname``."""
+    for hook in RESIZE_HOOKS:
+        if hook.qualname == qualname:
+            return hook
+    raise KeyError(qualname)
+
+
 PLANNER_APIS: tuple[Hook, ...] = (
     Hook(("vllm.engine.arg_utils",), "EngineArgs.create_engine_config", ("self",)),
     Hook(("vllm.model_executor.layers.attention.attention",), "Attention.get_kv_cache_spec"),

@@ -1,0 +1,570 @@
+"""vLLM glue of the run-time KV cache limit (the arithmetic is in ``resize``).
+
+Where it acts:
+
+* engine core: ``EngineCore.kv_cache_limit_set`` / ``kv_cache_limit_status``,
+  reached through vLLM's utility channel (``call_utility``), take blocks above
+  the limit out of the scheduler's free block queue;
+* block pool: blocks above the limit that requests free are withheld instead
+  of queued, and ``get_usage`` is relative to the limit;
+* workers: ``kv_cache_limit_pages`` returns the pages of withheld blocks to
+  the OS (CPU backend) once none of them is in use;
+* API server: ``--enable-kv-cache-resize`` adds ``GET``/``POST
+  /kv_cache/max_memory``, guarded by ``--api-key``.
+
+Every hook is optional: one that cannot be applied makes resizing refuse,
+naming it, and leaves start-up and the cap alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import functools
+import mmap
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit import compat, resize
+from vllm_kv_cache_limit.resize import Allocation, KVCacheResizeError
+from vllm_kv_cache_limit.sizes import format_size
+
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+ENABLE_FLAG = "--enable-kv-cache-resize"
+ROUTE = "/kv_cache/max_memory"
+POLL_S = 0.05
+MADV_DONTNEED = 4  # Linux
+
+unavailable: dict[str, str] = {}
+"""Resize hook -> why it could not be applied; resizing then refuses."""
+
+
+_CALLED = (
+    "BlockPool._maybe_evict_cached_block",
+    "FreeKVCacheBlockQueue.remove",
+    "FreeKVCacheBlockQueue.append_n",
+    "Scheduler._preempt_request",
+)
+"""vLLM functions resizing calls without wrapping them (``compat.RESIZE_HOOKS``)."""
+_called_checked = False
+
+
+def _problem(qualname: str) -> str | None:
+    try:
+        hook = compat.get_resize_hook(qualname)
+    except KeyError:
+        return None
+    return compat.resolve_hook(hook)[1]
+
+
+def _optional(qualname: str, apply: Callable[[], None]) -> None:
+    """Apply one resize hook; on any failure record it (resizing then refuses
+    naming it) and go on: resizing never stops start-up."""
+    try:
+        problem = _problem(qualname)
+        if problem:
+            raise LookupError(problem)
+        apply()
+    except Exception as exc:
+        unavailable[qualname] = f"{qualname}: {exc}"
+        logger.warning("Run-time KV cache resize is unavailable: %s could not be applied (%s).", qualname, exc)
+
+
+def _require_hooks() -> None:
+    global _called_checked
+    if not _called_checked:
+        _called_checked = True
+        for qualname in _CALLED:
+            problem = _problem(qualname)
+            if problem:
+                unavailable[qualname] = f"{qualname}: {problem}"
+    if unavailable:
+        raise KVCacheResizeError(
+            "Run-time KV cache resize is unavailable in this vLLM: " + "; ".join(sorted(unavailable.values()))
+        )
+
+
+# ---------------------------------------------------------------------------
+# vllm.v1.core.block_pool: withhold blocks above the limit
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Limit:
+    """The limit in force on one block pool (set on it as ``_kvcl_limit``)."""
+
+    allocation: Allocation
+    limit: int
+    requested: int
+    mode: str = "drain"
+    withheld: set[int] = dataclasses.field(default_factory=set)
+    released_from: int | None = None
+    released_bytes: int = 0
+
+    def withhold(self, pool: Any, blocks: list[Any]) -> None:
+        """Take free blocks at or above the limit out of the free queue (and
+        the prefix cache), so the scheduler never hands them out."""
+        for block in blocks:
+            if block.block_id < self.limit or block.ref_cnt != 0 or block.is_null:
+                continue
+            if block.prev_free_block is None:  # not in the free queue
+                continue
+            if pool.enable_caching:
+                pool._maybe_evict_cached_block(block)
+            pool.free_block_queue.remove(block)
+            self.withheld.add(block.block_id)
+
+
+def patch_block_pool(module: Any) -> None:
+    """Why: the scheduler allocates from ``BlockPool.free_block_queue``; a
+    run-time limit must keep blocks above it out of that queue, also when
+    requests free them. How: wraps ``BlockPool.free_blocks`` (and
+    ``unpin_blocks`` where present) to withhold freed blocks above the limit,
+    and ``get_usage`` to be relative to the limit; without a limit both call
+    vLLM's original unchanged. Upstream: none yet (a resizable block pool)."""
+    pool = module.BlockPool
+    for name in ("free_blocks", "unpin_blocks"):
+        if hasattr(pool, name):
+            _optional(f"BlockPool.{name}", functools.partial(_wrap_method, pool, name, _withhold_after))
+    _optional("BlockPool.get_usage", functools.partial(_wrap_method, pool, "get_usage", _usage_under_limit))
+
+
+def _wrap_method(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    original = getattr(owner, name)
+    if getattr(original, "__kvcl_wrapped__", False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    wrapper.__kvcl_wrapped__ = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
+
+
+def _withhold_after(original: Callable) -> Callable:
+    def method(self: Any, blocks: Any, *args: Any, **kwargs: Any) -> Any:
+        limit: _Limit | None = getattr(self, "_kvcl_limit", None)
+        if limit is None:
+            return original(self, blocks, *args, **kwargs)
+        blocks = list(blocks)
+        result = original(self, blocks, *args, **kwargs)
+        limit.withhold(self, blocks)
+        return result
+
+    return method
+
+
+def _usage_under_limit(original: Callable) -> Callable:
+    def get_usage(self: Any) -> float:
+        limit: _Limit | None = getattr(self, "_kvcl_limit", None)
+        if limit is None:
+            return original(self)
+        usable = limit.limit - resize.NULL_BLOCKS
+        if usable <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.get_num_free_blocks() / usable))
+
+    return get_usage
+
+
+# ---------------------------------------------------------------------------
+# vllm.v1.engine.core: the utility methods the clients call
+# ---------------------------------------------------------------------------
+
+
+def add_engine_core_methods(module: Any) -> None:
+    """Why: the limit lives in the scheduler, in the engine-core process, and
+    vLLM's clients reach that process through ``call_utility(name, ...)``,
+    which calls an ``EngineCore`` method by name. How: adds two methods.
+    Upstream: none yet (a resize utility in ``EngineCore``)."""
+
+    def apply() -> None:
+        module.EngineCore.kv_cache_limit_set = _kv_cache_limit_set
+        module.EngineCore.kv_cache_limit_status = _kv_cache_limit_status
+
+    _optional("EngineCore", apply)
+
+
+def _allocation(engine_core: Any) -> Allocation:
+    config = engine_core.scheduler.kv_cache_config
+    vllm_config = engine_core.vllm_config
+    num_blocks = config.num_blocks
+    total = sum(t.size for t in config.kv_cache_tensors)
+    per_request = 0
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        per_request += -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
+    return Allocation(
+        num_blocks=num_blocks,
+        bytes_per_block=total // num_blocks,
+        blocks_per_request=per_request,
+        max_model_len=vllm_config.model_config.max_model_len,
+    )
+
+
+def _pool(engine_core: Any) -> Any:
+    return engine_core.scheduler.kv_cache_manager.block_pool
+
+
+def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
+    """Apply a new limit of ``nbytes`` per worker; returns the status at once
+    (the client polls until it holds). Errors come back as ``{"error": ...}``
+    so that the client raises them with their message."""
+    try:
+        _require_hooks()
+        mode = resize.parse_mode(mode)
+        pool = _pool(self)
+        state: _Limit | None = getattr(pool, "_kvcl_limit", None)
+        allocation = state.allocation if state else _allocation(self)
+        new = resize.limit_for(int(nbytes), allocation)
+    except KVCacheResizeError as exc:
+        return {"error": str(exc)}
+    if state is None:
+        state = _Limit(allocation=allocation, limit=allocation.num_blocks, requested=allocation.nbytes)
+        pool._kvcl_limit = state
+    old = state.limit
+    state.limit, state.requested, state.mode = new, int(nbytes), mode
+    if new < old:
+        _shrink(self, pool, state)
+    elif new > old:
+        _grow(self, pool, state, old)
+    logger.info(
+        "KV cache limit set to %s per worker (%d of %d blocks, %s), mode %s; was %d blocks.",
+        format_size(int(nbytes)),
+        new,
+        allocation.num_blocks,
+        format_size(new * allocation.bytes_per_block),
+        mode,
+        old,
+    )
+    return _kv_cache_limit_status(self)
+
+
+def _shrink(engine_core: Any, pool: Any, state: _Limit) -> None:
+    above = pool.blocks[state.limit :]
+    if pool.enable_caching:
+        # Prefix-cache entries in blocks above the limit go now, in use or not,
+        # so no new request can hit (and hold) them.
+        for block in above:
+            if not block.is_null:
+                pool._maybe_evict_cached_block(block)
+    state.withhold(pool, above)
+    if state.mode == "preempt":
+        _preempt_above(engine_core.scheduler, state.limit)
+
+
+def _preempt_above(scheduler: Any, limit: int) -> None:
+    """Preempt the running requests holding a block at or above ``limit``,
+    as vLLM's ``reset_prefix_cache(reset_running_requests=True)`` does for
+    all of them: they go back to the waiting queue and are recomputed."""
+    manager = scheduler.kv_cache_manager
+    victims = [
+        request
+        for request in scheduler.running
+        if any(b >= limit for group in manager.get_blocks(request.request_id).get_block_ids() for b in group)
+    ]
+    timestamp = time.monotonic()
+    for request in reversed(victims):
+        scheduler.running.remove(request)
+        try:
+            scheduler._preempt_request(request, timestamp, drop_stale_output=True)
+        except TypeError:  # vLLM releases whose _preempt_request has no drop_stale_output
+            scheduler._preempt_request(request, timestamp)
+        scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
+    if victims:
+        logger.info("Preempted %d running request(s) holding blocks above the new KV cache limit.", len(victims))
+
+
+def _grow(engine_core: Any, pool: Any, state: _Limit, old: int) -> None:
+    back = sorted(i for i in state.withheld if i < state.limit)
+    pool.free_block_queue.append_n([pool.blocks[i] for i in back])
+    state.withheld.difference_update(back)
+    if state.released_from is not None and state.released_from < state.limit:
+        state.released_bytes = _worker_pages(engine_core, state.limit, state.allocation.num_blocks, release=False)
+        state.released_from = state.limit if state.released_bytes else None
+
+
+def _kv_cache_limit_status(self: Any) -> dict[str, Any]:
+    """The limit in force and the blocks in use; releases the pages of the
+    withheld blocks once none above the limit is in use."""
+    try:
+        _require_hooks()
+    except KVCacheResizeError as exc:
+        return {"error": str(exc)}
+    pool = _pool(self)
+    state: _Limit | None = getattr(pool, "_kvcl_limit", None)
+    if state is None:
+        allocation = _allocation(self)
+        state = _Limit(allocation=allocation, limit=allocation.num_blocks, requested=allocation.nbytes)
+    num_blocks = state.allocation.num_blocks
+    free = pool.get_num_free_blocks()
+    in_use = num_blocks - resize.NULL_BLOCKS - free - len(state.withheld)
+    above = sum(1 for block in pool.blocks[state.limit :] if block.ref_cnt > 0 and not block.is_null)
+    if above == 0 and state.limit < num_blocks and state.released_from != state.limit:
+        state.released_bytes = _worker_pages(self, state.limit, num_blocks, release=True)
+        state.released_from = state.limit
+        logger.info(
+            "KV cache limit holds: %s of blocks %d-%d returned to the OS.",
+            format_size(state.released_bytes),
+            state.limit,
+            num_blocks - 1,
+        )
+    elif state.limit >= num_blocks:
+        state.released_bytes, state.released_from = 0, None
+    return resize.status(
+        state.allocation, state.limit, state.requested, state.mode, in_use, above, state.released_bytes
+    )
+
+
+def _worker_pages(engine_core: Any, keep: int, num_blocks: int, release: bool) -> int:
+    results = engine_core.model_executor.collective_rpc("kv_cache_limit_pages", args=(keep, num_blocks, release))
+    return sum(int(r) for r in results)
+
+
+# ---------------------------------------------------------------------------
+# vllm.v1.worker.worker_base: give the pages of withheld blocks back
+# ---------------------------------------------------------------------------
+
+
+def add_worker_method(module: Any) -> None:
+    """Why: the engine core decides, the workers hold the memory; vLLM's
+    ``collective_rpc(name)`` calls a worker method by name. How: adds
+    ``WorkerBase.kv_cache_limit_pages``. Upstream: none yet."""
+
+    def apply() -> None:
+        module.WorkerBase.kv_cache_limit_pages = kv_cache_limit_pages
+
+    _optional("WorkerBase", apply)
+
+
+def _views(worker: Any, num_blocks: int) -> list[Any]:
+    import torch
+
+    found: list[Any] = []
+
+    def walk(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            for sub in item:
+                walk(sub)
+        elif isinstance(item, dict):
+            for sub in item.values():
+                walk(sub)
+
+    walk(worker.model_runner.kv_caches)
+    return found
+
+
+def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -> int:
+    """Release (``release=True``) the pages of blocks ``[keep, num_blocks)``
+    of this worker's KV cache with ``madvise(MADV_DONTNEED)``; they read as
+    zeros and come back on the next write. Returns the bytes now released
+    from ``keep`` on (0 where the layout or device does not allow it: CUDA
+    memory is limited logically, not returned)."""
+    spans = []
+    for view in _views(self, num_blocks):
+        if view.device.type != "cpu" or view.dim() < 2 or view.shape[0] != num_blocks:
+            return 0
+        stride = view.stride(0) * view.element_size()
+        block_bytes = view[0].numel() * view.element_size()
+        spans += resize.block_spans(view.data_ptr(), stride, block_bytes, keep, num_blocks)
+    ranges = resize.page_ranges(spans, mmap.PAGESIZE)
+    if release:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        for start, end in ranges:
+            if libc.madvise(start, end - start, MADV_DONTNEED) != 0:
+                raise OSError(
+                    ctypes.get_errno(), f"madvise over the KV cache failed: {os.strerror(ctypes.get_errno())}"
+                )
+    return sum(end - start for start, end in ranges)
+
+
+# ---------------------------------------------------------------------------
+# Clients: LLM and AsyncLLM
+# ---------------------------------------------------------------------------
+
+
+def _client(engine: Any) -> Any:
+    engine = getattr(engine, "llm_engine", engine)  # LLM -> LLMEngine
+    return engine.engine_core
+
+
+def _call(engine: Any, method: str, *args: Any) -> dict[str, Any]:
+    client = _client(engine)
+    if hasattr(client, "call_utility"):
+        result = client.call_utility(method, *args)
+    else:  # InprocClient: the engine core lives in this process
+        result = getattr(client.engine_core, method)(*args)
+    return _checked(result)
+
+
+async def _call_async(engine: Any, method: str, *args: Any) -> dict[str, Any]:
+    return _checked(await _client(engine).call_utility_async(method, *args))
+
+
+def _checked(result: Any) -> dict[str, Any]:
+    if isinstance(result, dict) and "error" in result:
+        raise KVCacheResizeError(result["error"])
+    return dict(result)
+
+
+def _arguments(size: object, mode: object, timeout_s: object) -> tuple[int, str, float]:
+    return resize.parse_target(size), resize.parse_mode(mode), resize.parse_timeout(timeout_s)
+
+
+def set_kv_cache_max_memory(llm: Any, size: int | str, mode: str = "drain", timeout_s: float = 60.0) -> dict[str, Any]:
+    """Change the KV cache limit of a running ``LLM`` (per worker, within
+    what it allocated at start-up); returns when the limit holds, or at the
+    timeout with the status so far (``holds`` says which)."""
+    nbytes, mode, timeout_s = _arguments(size, mode, timeout_s)
+    status = _call(llm, "kv_cache_limit_set", nbytes, mode)
+    deadline = time.monotonic() + timeout_s
+    while not status["holds"] and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        status = _call(llm, "kv_cache_limit_status")
+    return status
+
+
+def kv_cache_limit_status(llm: Any) -> dict[str, Any]:
+    """The KV cache limit in force on a running ``LLM`` and its blocks."""
+    return _call(llm, "kv_cache_limit_status")
+
+
+async def async_set_kv_cache_max_memory(
+    engine: Any, size: int | str, mode: str = "drain", timeout_s: float = 60.0
+) -> dict[str, Any]:
+    """:func:`set_kv_cache_max_memory` for an ``AsyncLLM``."""
+    nbytes, mode, timeout_s = _arguments(size, mode, timeout_s)
+    status = await _call_async(engine, "kv_cache_limit_set", nbytes, mode)
+    deadline = time.monotonic() + timeout_s
+    while not status["holds"] and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)
+        status = await _call_async(engine, "kv_cache_limit_status")
+    return status
+
+
+async def async_kv_cache_limit_status(engine: Any) -> dict[str, Any]:
+    """:func:`kv_cache_limit_status` for an ``AsyncLLM``."""
+    return await _call_async(engine, "kv_cache_limit_status")
+
+
+# ---------------------------------------------------------------------------
+# vllm.entrypoints: the flag and the HTTP routes
+# ---------------------------------------------------------------------------
+
+
+def patch_server_arg_parser(module: Any) -> None:
+    """Why: the resize routes change a live engine, so they are off unless
+    the server is started with ``--enable-kv-cache-resize``. How: wraps
+    ``make_arg_parser`` to add the flag. Upstream: none yet."""
+    _optional("make_arg_parser", functools.partial(_wrap_function, module, "make_arg_parser", _add_server_flag))
+
+
+def _wrap_function(module: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    original = getattr(module, name)
+    if getattr(original, "__kvcl_wrapped__", False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    wrapper.__kvcl_wrapped__ = True  # type: ignore[attr-defined]
+    setattr(module, name, wrapper)
+
+
+def _add_server_flag(original: Callable) -> Callable:
+    def make_arg_parser(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = original(parser, *args, **kwargs)
+        parser.add_argument(
+            ENABLE_FLAG,
+            action="store_true",
+            default=False,
+            help=(
+                f"Serve GET and POST {ROUTE} to read and change the KV cache limit of the running engine "
+                '(body: {"size": "16M", "mode": "drain" or "preempt"}), within the memory allocated at '
+                "start-up. Off by default; the routes honour --api-key."
+            ),
+        )
+        return parser
+
+    return make_arg_parser
+
+
+def patch_build_app(module: Any) -> None:
+    """Why: vLLM's endpoint plugins load only when named in ``VLLM_PLUGINS``
+    and warn otherwise; the resize routes follow the server's own flag.
+    How: wraps ``build_app`` to include the routes when the flag is set.
+    Upstream: none yet."""
+    _optional("build_app", functools.partial(_wrap_function, module, "build_app", _add_routes))
+
+
+def _add_routes(original: Callable) -> Callable:
+    def build_app(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        app = original(args, *rest, **kwargs)
+        if getattr(args, "enable_kv_cache_resize", False):
+            app.include_router(_router(args))
+            logger.info("Run-time KV cache resize enabled: GET and POST %s.", ROUTE)
+        return app
+
+    return build_app
+
+
+def _error(status_code: int, message: str, kind: str) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(
+        status_code=status_code,
+        content={"error": {"message": message, "type": kind, "param": None, "code": status_code}},
+    )
+
+
+def _router(args: Any) -> Any:
+    import vllm.envs as envs
+    from fastapi import APIRouter, Request
+
+    tokens = [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]
+    router = APIRouter()
+
+    def authorized(request: Any) -> bool:
+        if not tokens:
+            return True
+        from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+        return AuthenticationMiddleware(None, tokens).verify_token(request.headers)
+
+    @router.get(ROUTE)
+    async def get_kv_cache_max_memory(request: Request) -> Any:
+        if not authorized(request):
+            return _error(401, "Unauthorized", "Unauthorized")
+        try:
+            return await async_kv_cache_limit_status(request.app.state.engine_client)
+        except KVCacheResizeError as exc:
+            return _error(400, str(exc), "BadRequestError")
+
+    @router.post(ROUTE)
+    async def set_kv_cache_max_memory_route(request: Request) -> Any:
+        if not authorized(request):
+            return _error(401, "Unauthorized", "Unauthorized")
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(
+                400, 'Invalid body: expected JSON such as {"size": "16M", "mode": "drain"}.', "BadRequestError"
+            )
+        if not isinstance(body, dict) or "size" not in body:
+            return _error(
+                400, f'Invalid body {body!r}: expected {{"size": "16M", "mode": "drain"}}.', "BadRequestError"
+            )
+        try:
+            return await async_set_kv_cache_max_memory(
+                request.app.state.engine_client,
+                body["size"],
+                body.get("mode", "drain"),
+                body.get("timeout_s", 60.0),
+            )
+        except KVCacheResizeError as exc:
+            return _error(400, str(exc), "BadRequestError")
+
+    return router

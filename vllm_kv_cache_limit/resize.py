@@ -1,0 +1,157 @@
+"""Run-time resize of the KV cache limit: the arithmetic, without vLLM.
+
+The memory allocated at start-up (the start-up cap, or vLLM's budget without
+one) is the most a run-time limit can reach. Within it the limit is a block
+count: blocks ``[0, limit)`` stay usable (block 0 is vLLM's null block, as in
+its own ``num_gpu_blocks``), blocks ``[limit, allocated)`` are withheld from
+the scheduler and, once none is in use, their pages are returned to the OS.
+The vLLM glue is in ``_resize_hooks``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.sizes import format_size, parse_size
+
+MODES = ("drain", "preempt")
+"""``drain``: blocks above a lowered limit are withheld as the requests that
+hold them finish. ``preempt``: those requests are preempted now and
+recomputed (vLLM's own preemption), so the limit holds at once."""
+
+NULL_BLOCKS = 1
+"""vLLM's block pool keeps block 0 as the null block, never handed out."""
+
+
+class KVCacheResizeError(KVCacheMaxMemoryError):
+    """A run-time limit that cannot be applied; the engine is left as it was."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The KV cache one worker allocated at start-up, as the scheduler sees it."""
+
+    num_blocks: int
+    """Blocks allocated, the null block included (vLLM's ``num_gpu_blocks``)."""
+    bytes_per_block: int
+    """Bytes of one block over all layers of one worker."""
+    blocks_per_request: int
+    """Blocks one request of ``max_model_len`` tokens needs (all groups)."""
+    max_model_len: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def parse_mode(mode: object) -> str:
+    """``mode`` checked against :data:`MODES`; the error quotes it."""
+    if mode not in MODES:
+        raise KVCacheResizeError(f"Invalid resize mode {mode!r}: expected one of {', '.join(map(repr, MODES))}.")
+    return str(mode)
+
+
+def parse_timeout(timeout_s: object) -> float:
+    """A finite timeout in seconds, zero or more; the error quotes it."""
+    try:
+        value = float(timeout_s)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not (0 <= value < float("inf")):
+        raise KVCacheResizeError(f"Invalid timeout_s {timeout_s!r}: expected a number of seconds, 0 or more.")
+    return value
+
+
+def parse_target(size: object) -> int:
+    """A size in bytes from an int or a size string (``parse_size``)."""
+    if isinstance(size, bool):
+        raise KVCacheResizeError(f"Invalid KV cache size {size!r}: expected a size such as '16M' or bytes as an int.")
+    if isinstance(size, int):
+        if size <= 0:
+            raise KVCacheResizeError(f"Invalid KV cache size {size!r}: it must be positive, e.g. '16M'.")
+        return size
+    if isinstance(size, str):
+        try:
+            return parse_size(size)
+        except ValueError as exc:
+            raise KVCacheResizeError(str(exc)) from None
+    raise KVCacheResizeError(f"Invalid KV cache size {size!r}: expected a size such as '16M' or bytes as an int.")
+
+
+def limit_for(nbytes: int, allocation: Allocation) -> int:
+    """The block limit for ``nbytes`` per worker, refusing what the start-up
+    allocation cannot give or what cannot hold one request of
+    ``max_model_len``."""
+    if nbytes > allocation.nbytes:
+        raise KVCacheResizeError(
+            f"Cannot raise the KV cache limit to {format_size(nbytes)} ({nbytes} bytes): the engine allocated "
+            f"{format_size(allocation.nbytes)} ({allocation.nbytes} bytes) at start-up, the most a run-time "
+            f"limit can reach. Choose a size of at most {format_size(allocation.nbytes)}, or restart the "
+            "engine with a larger --kv-cache-max-memory."
+        )
+    limit = nbytes // allocation.bytes_per_block
+    least = allocation.blocks_per_request + NULL_BLOCKS
+    if limit < least:
+        least_bytes = least * allocation.bytes_per_block
+        raise KVCacheResizeError(
+            f"Cannot lower the KV cache limit to {format_size(nbytes)} ({nbytes} bytes): that is {limit} blocks "
+            f"of {allocation.bytes_per_block} bytes, and one request of max_model_len {allocation.max_model_len} "
+            f"needs {allocation.blocks_per_request} blocks (plus vLLM's null block). Choose a size of at least "
+            f"{format_size(least_bytes)} ({least_bytes} bytes)."
+        )
+    return limit
+
+
+def page_ranges(spans: Iterable[tuple[int, int]], page_size: int) -> list[tuple[int, int]]:
+    """Merge byte ranges ``[start, end)`` and shrink each to whole pages, so
+    that only pages lying entirely inside them are released."""
+    merged: list[list[int]] = []
+    for start, end in sorted(s for s in spans if s[1] > s[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    pages = []
+    for start, end in merged:
+        first = -(-start // page_size) * page_size
+        last = end // page_size * page_size
+        if last > first:
+            pages.append((first, last))
+    return pages
+
+
+def block_spans(address: int, stride: int, block_bytes: int, first: int, count: int) -> list[tuple[int, int]]:
+    """The byte ranges of blocks ``[first, count)`` of one blocks-first KV
+    cache view: block ``i`` lies at ``address + i * stride``."""
+    if block_bytes >= stride:  # blocks back to back: one range
+        return [(address + first * stride, address + (count - 1) * stride + block_bytes)] if count > first else []
+    return [(address + i * stride, address + i * stride + block_bytes) for i in range(first, count)]
+
+
+def status(
+    allocation: Allocation,
+    limit: int,
+    requested: int,
+    mode: str,
+    in_use: int,
+    in_use_above: int,
+    released_bytes: int,
+) -> dict[str, Any]:
+    """The status dict of ``kv_cache_limit_status`` (plain types only: it
+    crosses vLLM's engine-core channel)."""
+    return {
+        "kv_cache_max_memory": requested,
+        "kv_cache_limit_bytes": limit * allocation.bytes_per_block,
+        "kv_cache_allocated_bytes": allocation.nbytes,
+        "num_blocks_limit": limit,
+        "num_blocks_allocated": allocation.num_blocks,
+        "num_blocks_in_use": in_use,
+        "num_blocks_in_use_above_limit": in_use_above,
+        "bytes_per_block": allocation.bytes_per_block,
+        "holds": in_use_above == 0,
+        "mode": mode,
+        "released_bytes": released_bytes,
+    }
