@@ -38,6 +38,7 @@ from vllm_kv_cache_limit.policy import (
     KVCacheMaxMemoryError,
     auto_fit_message,
     cap_block_override,
+    cap_error_message,
     cap_explicit_size,
     check_cap_fits_before_load,
     check_cap_within_instance,
@@ -483,18 +484,30 @@ def _hold_startup_lock(original: Callable) -> Callable:
     memory (see ``startup_lock``). How: with a cap, ``EngineCore.__init__``
     (which starts the workers, profiles, allocates the KV cache and warms up,
     capturing CUDA graphs) runs holding the start-up lock of every local
-    device. Upstream: none yet; vLLM measures device-wide free memory."""
+    device; a cap error it fails with (also one a Ray worker on another node
+    raised) goes to the relay for the first process. Upstream: none yet;
+    vLLM measures device-wide free memory."""
 
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-        if cap_of(vllm_config.cache_config) is None or not startup_lock.enabled():
+        if cap_of(vllm_config.cache_config) is None:
             return original(self, vllm_config, *args, **kwargs)
         try:
-            devices, _ = _instance_devices(vllm_config)
+            if not startup_lock.enabled():
+                return original(self, vllm_config, *args, **kwargs)
+            try:
+                devices, _ = _instance_devices(vllm_config)
+            except Exception as exc:
+                logger.warning("No KV cache start-up lock: the devices could not be named (%r).", exc)
+                devices = []
+            with startup_lock.acquire([(d.key, d.label) for d in devices]):
+                return original(self, vllm_config, *args, **kwargs)
         except Exception as exc:
-            logger.warning("No KV cache start-up lock: the devices could not be named (%r).", exc)
-            devices = []
-        with startup_lock.acquire([(d.key, d.label) for d in devices]):
-            return original(self, vllm_config, *args, **kwargs)
+            # A worker on another node (Ray) cannot reach the relay file; its
+            # error reaches this process inside the executor's exception.
+            message = cap_error_message(exc)
+            if message:
+                relay_cap_error(message)
+            raise
 
     return __init__
 

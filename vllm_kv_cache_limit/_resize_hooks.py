@@ -192,7 +192,9 @@ def _allocation(engine_core: Any) -> Allocation:
     config = engine_core.scheduler.kv_cache_config
     vllm_config = engine_core.vllm_config
     num_blocks = config.num_blocks
-    total = sum(t.size for t in config.kv_cache_tensors)
+    # What each worker really holds (the distinct storages of its KV cache
+    # tensors): the config's tensors can share one allocation (hybrid models).
+    total = min(int(b) for b in engine_core.model_executor.collective_rpc("kv_cache_limit_allocated"))
     per_request = 0
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -336,11 +338,19 @@ def add_worker_method(module: Any) -> None:
 
     def apply() -> None:
         module.WorkerBase.kv_cache_limit_pages = kv_cache_limit_pages
+        module.WorkerBase.kv_cache_limit_rss_fall = kv_cache_limit_rss_fall
+        module.WorkerBase.kv_cache_limit_allocated = kv_cache_limit_allocated
 
     _optional("WorkerBase", apply)
 
 
-def _views(worker: Any, num_blocks: int) -> list[Any]:
+def kv_cache_limit_allocated(self: Any) -> int:
+    """Bytes of this worker's KV cache: its tensors' distinct storages."""
+    storages = {view.untyped_storage().data_ptr(): view.untyped_storage().nbytes() for view in _views(self)}
+    return sum(storages.values())
+
+
+def _views(worker: Any) -> list[Any]:
     import torch
 
     found: list[Any] = []
@@ -366,7 +376,7 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -
     from ``keep`` on (0 where the layout or device does not allow it: CUDA
     memory is limited logically, not returned)."""
     spans = []
-    for view in _views(self, num_blocks):
+    for view in _views(self):
         if view.device.type != "cpu" or view.dim() < 2 or view.shape[0] != num_blocks:
             return 0
         stride = view.stride(0) * view.element_size()
@@ -374,6 +384,7 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -
         spans += resize.block_spans(view.data_ptr(), stride, block_bytes, keep, num_blocks)
     ranges = resize.page_ranges(spans, mmap.PAGESIZE)
     if release:
+        rss = _rss_bytes()
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         for start, end in ranges:
@@ -381,7 +392,22 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -
                 raise OSError(
                     ctypes.get_errno(), f"madvise over the KV cache failed: {os.strerror(ctypes.get_errno())}"
                 )
+        self._kvcl_rss_fall = rss - _rss_bytes()
+        logger.info(
+            "KV cache pages of blocks %d-%d released: RSS fell by %d bytes.", keep, num_blocks - 1, self._kvcl_rss_fall
+        )
     return sum(end - start for start, end in ranges)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+
+def kv_cache_limit_rss_fall(self: Any) -> int:
+    """How far this worker's RSS fell at its last release (measured around
+    the ``madvise`` calls, so nothing else the process does counts)."""
+    return int(getattr(self, "_kvcl_rss_fall", 0))
 
 
 # ---------------------------------------------------------------------------
@@ -520,12 +546,39 @@ def _error(status_code: int, message: str, kind: str) -> Any:
     )
 
 
+_gauge: Any = None
+
+
+def _limit_gauge() -> Any:
+    """``vllm:kv_cache_limit_bytes`` on the server's ``/metrics``: the KV
+    cache bytes per worker the limit allows (the start-up cap until the
+    first resize or status call)."""
+    global _gauge
+    if _gauge is None:
+        from prometheus_client import Gauge
+
+        _gauge = Gauge(
+            "vllm:kv_cache_limit_bytes",
+            "KV cache bytes per worker that the run-time limit allows (vllm-kv-cache-limit).",
+            multiprocess_mode="mostrecent",
+        )
+    return _gauge
+
+
 def _router(args: Any) -> Any:
     import vllm.envs as envs
     from fastapi import APIRouter, Request
 
     tokens = [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]
     router = APIRouter()
+    gauge = _limit_gauge()
+    cap = getattr(args, "kv_cache_max_memory", None)
+    if isinstance(cap, int):
+        gauge.set(cap)
+
+    def shown(status: dict[str, Any]) -> dict[str, Any]:
+        gauge.set(status["kv_cache_limit_bytes"])
+        return status
 
     def authorized(request: Any) -> bool:
         if not tokens:
@@ -534,16 +587,14 @@ def _router(args: Any) -> Any:
 
         return AuthenticationMiddleware(None, tokens).verify_token(request.headers)
 
-    @router.get(ROUTE)
     async def get_kv_cache_max_memory(request: Request) -> Any:
         if not authorized(request):
             return _error(401, "Unauthorized", "Unauthorized")
         try:
-            return await async_kv_cache_limit_status(request.app.state.engine_client)
+            return shown(await async_kv_cache_limit_status(request.app.state.engine_client))
         except KVCacheResizeError as exc:
             return _error(400, str(exc), "BadRequestError")
 
-    @router.post(ROUTE)
     async def set_kv_cache_max_memory_route(request: Request) -> Any:
         if not authorized(request):
             return _error(401, "Unauthorized", "Unauthorized")
@@ -558,13 +609,20 @@ def _router(args: Any) -> Any:
                 400, f'Invalid body {body!r}: expected {{"size": "16M", "mode": "drain"}}.', "BadRequestError"
             )
         try:
-            return await async_set_kv_cache_max_memory(
-                request.app.state.engine_client,
-                body["size"],
-                body.get("mode", "drain"),
-                body.get("timeout_s", 60.0),
+            return shown(
+                await async_set_kv_cache_max_memory(
+                    request.app.state.engine_client,
+                    body["size"],
+                    body.get("mode", "drain"),
+                    body.get("timeout_s", 60.0),
+                )
             )
         except KVCacheResizeError as exc:
             return _error(400, str(exc), "BadRequestError")
 
+    # This module uses postponed annotations; FastAPI needs the class itself
+    # to pass the request in.
+    for handler, method in ((get_kv_cache_max_memory, "GET"), (set_kv_cache_max_memory_route, "POST")):
+        handler.__annotations__["request"] = Request
+        router.add_api_route(ROUTE, handler, methods=[method])
     return router

@@ -10,11 +10,13 @@ errors.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from vllm_kv_cache_limit.sizes import format_gib, format_size, parse_size
 
 __all__ = [
+    "cap_error_message",
     "ENV_VAR",
     "FLAG",
     "CapDecision",
@@ -265,3 +267,26 @@ def mamba_blocks_message(cap: int, num_blocks: int, max_num_seqs: int, block_byt
         f"piecewise CUDA graphs only (--compilation-config "
         f'\'{{"cudagraph_mode": "PIECEWISE"}}\') or none (--enforce-eager).'
     )
+
+
+_WORKER_FAILED = re.compile(r"Worker failed with error '(.*)', please check the stack trace above", re.S)
+
+
+def cap_error_message(exc: BaseException) -> str | None:
+    """The cap error inside an executor's exception, if there is one: a
+    ``KVCacheMaxMemoryError`` in the chain (Ray's ``RayTaskError`` is one
+    and holds it as ``cause``), or the worker's message in the text of
+    vLLM's Ray executor ("Worker failed with error '...'") when it names the
+    flag, as every cap error does."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, KVCacheMaxMemoryError):
+            cause = getattr(current, "cause", None)
+            return str(cause if isinstance(cause, KVCacheMaxMemoryError) else current)
+        match = _WORKER_FAILED.search(str(current))
+        if match and FLAG in match[1]:
+            return match[1]
+        current = current.__cause__ or current.__context__
+    return None

@@ -66,6 +66,9 @@ class KVCacheProbe:
     def kv_cache_bytes(self) -> int:
         return worker_kv_cache_bytes(self)
 
+    def rss_bytes(self) -> int:
+        return worker_rss_bytes(self)
+
 
 def worker_rss_bytes(worker: Any) -> int:
     """Resident memory of the worker process."""

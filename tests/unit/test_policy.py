@@ -198,3 +198,37 @@ def test_too_small_message_without_estimate() -> None:
     message = too_small_message(1024, 512 * 1024, 128 * 1024, 512, 0)
     assert "--max-model-len" not in message
     assert "at least --kv-cache-max-memory 640KiB" in message
+
+
+# --- the cap error inside an executor's exception (Ray workers) -----------
+
+
+def test_cap_error_found_in_the_chain_and_as_ray_cause() -> None:
+    from vllm_kv_cache_limit.policy import FLAG, KVCacheMaxMemoryError, cap_error_message
+
+    cap = KVCacheMaxMemoryError(f"{FLAG} 16MiB is too large")
+    try:
+        try:
+            raise cap
+        except KVCacheMaxMemoryError as inner:
+            raise RuntimeError("Engine core initialization failed") from inner
+    except RuntimeError as outer:
+        assert cap_error_message(outer) == str(cap)
+
+    class RayTaskError(KVCacheMaxMemoryError):  # Ray's dual class: its text is a traceback
+        def __init__(self, cause: BaseException) -> None:
+            super().__init__("ray::RayWorkerWrapper.execute_method() (pid=1) ... traceback ...")
+            self.cause = cause
+
+    assert cap_error_message(RayTaskError(cap)) == str(cap)
+
+
+def test_cap_error_found_in_the_ray_executor_text_only_when_it_names_the_flag() -> None:
+    from vllm_kv_cache_limit.policy import FLAG, cap_error_message
+
+    message = f"The KV cache of 16777216 bytes set by {FLAG} 16M does not fit (found by worker rank 1)"
+    text = f"Worker failed with error '{message}', please check the stack trace above for the root cause"
+    assert cap_error_message(RuntimeError(text)) == message
+    other = "Worker failed with error 'CUDA out of memory', please check the stack trace above for the root cause"
+    assert cap_error_message(RuntimeError(other)) is None
+    assert cap_error_message(ValueError("unrelated")) is None

@@ -1,0 +1,297 @@
+"""Run-time resize on real CPU engines: a server with a 48M cap under steady
+load is shrunk to 16M and grown back in each mode, losing no request; the
+pages of the removed blocks go back to the OS; refusals change nothing; the
+routes exist only with --enable-kv-cache-resize and honour --api-key; greedy
+outputs with prefix caching stay the same across a resize, also for a
+sliding-window (hybrid) model."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.e2e.conftest import api_servers, engine_env, server_args
+from vllm_kv_cache_limit.tiny_model import build_tiny_model
+
+MiB = 2**20
+KEY = "resize-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ROUTE = "/kv_cache/max_memory"
+CLIENTS = 40
+"""More requests than 48M of blocks hold (each needs about 15 blocks of 128 tokens, 128 KiB),
+so the whole cache is in use, and resident, before the shrink."""
+PROMPT = "the quick brown fox jumps over the lazy dog " * 96
+"""About 870 tokens; each request starts with its own number, so the
+prefix cache shares no block between them."""
+MAX_TOKENS = 1000
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    folder = tmp_path_factory.mktemp("resize-servers")
+    common = (
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "64",
+        "--worker-extension-cls",
+        "vllm_kv_cache_limit.probe.KVCacheProbe",
+    )
+    specs = {
+        "resize": (
+            server_args(tiny_model, "48M", None, *common, "--enable-kv-cache-resize", "--api-key", KEY),
+            engine_env(VLLM_SERVER_DEV_MODE="1"),
+        ),
+        "plain": (server_args(tiny_model, "48M", None, *common), engine_env(VLLM_SERVER_DEV_MODE="1")),
+    }
+    with api_servers(specs, folder) as running:
+        yield {name: base for name, (base, _) in running.items()}
+
+
+def get_status(base: str) -> dict[str, Any]:
+    reply = requests.get(base + ROUTE, headers=AUTH, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def resize(base: str, **body: Any) -> requests.Response:
+    return requests.post(base + ROUTE, json=body, headers=AUTH, timeout=180)
+
+
+def metric(base: str, name: str) -> float:
+    text = requests.get(base + "/metrics", timeout=60).text
+    values = [float(m[1]) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def worker_rpc(base: str, method: str) -> list[int]:
+    reply = requests.post(base + "/collective_rpc", json={"method": method}, headers=AUTH, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return [int(r) for r in reply.json()["results"]]
+
+
+class Load:
+    """``CLIENTS`` threads sending completions back to back; every reply is
+    recorded, so a failed request cannot go unseen."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.stop = threading.Event()
+        self.completed = 0
+        self.sent = 0
+        self.failures: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.client, daemon=True) for _ in range(CLIENTS)]
+
+    def client(self) -> None:
+        while not self.stop.is_set():
+            with self.lock:
+                self.sent += 1
+                prompt = f"{self.sent} {PROMPT}"
+            try:
+                reply = requests.post(
+                    f"{self.base}/v1/completions",
+                    json={
+                        "model": "tiny",
+                        "prompt": prompt,
+                        "max_tokens": MAX_TOKENS,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                    headers=AUTH,
+                    timeout=300,
+                )
+                ok = reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == MAX_TOKENS
+                problem = None if ok else f"{reply.status_code}: {reply.text[:300]}"
+            except Exception as exc:
+                problem = repr(exc)
+            with self.lock:
+                if problem:
+                    self.failures.append(problem)
+                else:
+                    self.completed += 1
+
+    def __enter__(self) -> Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=300)
+
+
+def running_requests(base: str) -> float:
+    return metric(base, "vllm:num_requests_running")
+
+
+def wait_for(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.mark.parametrize("mode", ["drain", "preempt"])
+def test_shrink_and_grow_under_load_lose_no_request(servers: dict[str, str], mode: str) -> None:
+    base = servers["resize"]
+    start = resize(base, size="48M").json()  # whatever an earlier test left
+    assert start["kv_cache_allocated_bytes"] == 48 * MiB and start["num_blocks_limit"] == start["num_blocks_allocated"]
+    with Load(base) as load:
+        # The premise: every block of the cache has been in use (its pages are
+        # resident), so the shrink has 32 MiB of pages to give back.
+        wait_for(lambda: metric(base, "vllm:kv_cache_usage_perc") >= 0.9, 120, "the KV cache to fill up")
+        full_running = max(running_requests(base) for _ in range(5))
+        before = worker_rpc(base, "rss_bytes")
+
+        started = time.monotonic()
+        reply = resize(base, size="16M", mode=mode, timeout_s=120)
+        took = time.monotonic() - started
+        assert reply.status_code == 200, reply.text
+        shrunk = reply.json()
+        assert shrunk["holds"], shrunk
+        assert shrunk["kv_cache_max_memory"] == 16 * MiB and shrunk["kv_cache_limit_bytes"] <= 16 * MiB
+        assert shrunk["num_blocks_limit"] == 16 * MiB // shrunk["bytes_per_block"]
+        removed = 48 * MiB - shrunk["kv_cache_limit_bytes"]
+        assert shrunk["released_bytes"] >= 0.95 * removed, shrunk
+        # Measured in the worker around its madvise calls: under load the
+        # RSS read from outside moves by several MiB for other reasons.
+        assert worker_rpc(base, "kv_cache_limit_rss_fall") >= [0.95 * removed], took
+        assert worker_rpc(base, "rss_bytes")[0] < before[0], "RSS did not fall at all"
+
+        # Once it holds, blocks in use stay under the limit and load goes on.
+        small_running = []
+        for _ in range(15):
+            status = get_status(base)
+            assert status["num_blocks_in_use_above_limit"] == 0, status
+            assert status["num_blocks_in_use"] < status["num_blocks_limit"], status
+            small_running.append(running_requests(base))
+            time.sleep(0.2)
+        assert max(small_running) < full_running, (small_running, full_running)
+        assert metric(base, "vllm:kv_cache_limit_bytes") == shrunk["kv_cache_limit_bytes"]
+        assert metric(base, "vllm:kv_cache_usage_perc") <= 1.0
+
+        grown = resize(base, size="48M", mode=mode)
+        assert grown.status_code == 200, grown.text
+        assert grown.json()["num_blocks_limit"] == start["num_blocks_allocated"], grown.json()
+        assert grown.json()["released_bytes"] == 0
+        wait_for(lambda: running_requests(base) > max(small_running), 120, "running requests to recover")
+    assert load.failures == [], load.failures[:5]
+    assert load.completed >= CLIENTS, load.completed
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"size": "100M"},  # above the start-up allocation
+        {"size": "64K"},  # below one request of max_model_len
+        {"size": "sixteen"},
+        {"size": "16M", "mode": "later"},
+        {"size": "16M", "timeout_s": "soon"},
+        {"mode": "drain"},
+        [1, 2],
+    ],
+)
+def test_refusals_leave_the_engine_as_it_was(servers: dict[str, str], body: Any) -> None:
+    base = servers["resize"]
+    before = get_status(base)
+    reply = requests.post(base + ROUTE, json=body, headers=AUTH, timeout=60)
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    if isinstance(body, dict) and "size" in body and body["size"] != "16M":
+        assert repr(body["size"]) in message or body["size"] in message, message
+    assert get_status(base) == before
+
+
+def test_malformed_json_is_refused(servers: dict[str, str]) -> None:
+    base = servers["resize"]
+    before = get_status(base)
+    reply = requests.post(base + ROUTE, data="{size: 16M", headers={**AUTH, "Content-Type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert get_status(base) == before
+
+
+def test_routes_need_the_api_key(servers: dict[str, str]) -> None:
+    base = servers["resize"]
+    before = get_status(base)
+    assert requests.get(base + ROUTE, timeout=60).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert requests.post(base + ROUTE, json={"size": "16M"}, headers=wrong, timeout=60).status_code == 401
+    assert get_status(base) == before
+
+
+def test_routes_absent_without_the_flag(servers: dict[str, str]) -> None:
+    base = servers["plain"]
+    assert requests.get(base + ROUTE, timeout=60).status_code == 404
+    assert requests.post(base + ROUTE, json={"size": "16M"}, timeout=60).status_code == 404
+    reply = requests.post(base + "/collective_rpc", json={"method": "kv_cache_bytes"}, timeout=60)
+    assert [int(b) for b in reply.json()["results"]] == [48 * MiB]
+
+
+# --- Python API: outputs stay right with prefix caching, also hybrid --------
+
+DRIVER = """
+import json, os, sys
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+from vllm import LLM, SamplingParams
+import vllm_kv_cache_limit as kvl
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    llm = LLM(spec["model"], kv_cache_max_memory="48M", max_model_len=512, seed=0, enforce_eager=True,
+              enable_prefix_caching=True, max_num_seqs=64)
+    shared = "a shared system prompt that many requests start with " * 4
+    prompts = [shared + f"question {i}" for i in range(48)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    texts = lambda: [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    result = {"before": texts(), "start": kvl.kv_cache_limit_status(llm)}
+    result["shrunk"] = kvl.set_kv_cache_max_memory(llm, "16M", mode=spec["mode"], timeout_s=60)
+    result["small"] = texts()
+    result["grown"] = kvl.set_kv_cache_max_memory(llm, 48 * 2**20)
+    result["after"] = texts()
+    print("RESULT " + json.dumps(result), flush=True)
+"""
+
+
+@pytest.mark.parametrize(("arch", "mode"), [("llama", "preempt"), ("gemma2", "drain")])
+def test_outputs_unchanged_across_a_resize_with_prefix_caching(
+    tiny_model: str, tmp_path: Path, arch: str, mode: str
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    model = tiny_model if arch == "llama" else str(build_tiny_model(tmp_path / arch, arch))
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    run = subprocess.run(
+        [sys.executable, str(driver), json.dumps({"model": model, "mode": mode})],
+        env=engine_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"exit {run.returncode}:\n{(run.stdout + run.stderr)[-4000:]}"
+    result = json.loads(lines[-1][len("RESULT ") :])
+    shrunk = result["shrunk"]
+    assert shrunk["holds"] and shrunk["kv_cache_limit_bytes"] <= 16 * MiB, shrunk
+    removed = result["start"]["kv_cache_allocated_bytes"] - shrunk["kv_cache_limit_bytes"]
+    assert shrunk["released_bytes"] >= 0.95 * removed, shrunk
+    # Greedy outputs do not change: no request read a released (zeroed) block
+    # through the prefix cache, before or after the grow.
+    assert result["small"] == result["before"]
+    assert result["after"] == result["before"]
+    assert result["grown"]["num_blocks_limit"] == result["start"]["num_blocks_allocated"]
