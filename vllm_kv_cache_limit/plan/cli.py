@@ -42,6 +42,12 @@ def _positive_int(name: str) -> Callable[[str], int]:
     return parse
 
 
+def _add_count(parser: argparse.ArgumentParser, *flags: str, default: int | None, help: str) -> None:
+    """A whole-number option of at least 1, read as vLLM reads counts; its
+    errors name the option (its last flag)."""
+    parser.add_argument(*flags, type=_positive_int(flags[-1]), default=default, help=help)
+
+
 def _size_arg(value: str) -> str:
     try:
         parse_size(value)
@@ -66,29 +72,29 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("model", metavar="MODEL", help="model folder, or model id in the local Hugging Face cache")
-    parser.add_argument(
+    _add_count(
+        parser,
         "--max-model-len",
-        type=_positive_int("--max-model-len"),
         default=None,
         help="tokens per request (prompt + output); default: the model's own, as vLLM derives it",
     )
-    parser.add_argument(
+    _add_count(
+        parser,
         "--concurrency",
-        type=_positive_int("--concurrency"),
         default=1,
         help="requests of max-model-len tokens that must fit at once (default: 1)",
     )
-    parser.add_argument(
+    _add_count(
+        parser,
         "-tp",
         "--tensor-parallel-size",
-        type=_positive_int("--tensor-parallel-size"),
         default=1,
         help="tensor parallel size (default: 1); all sizes are per device",
     )
-    parser.add_argument(
+    _add_count(
+        parser,
         "-pp",
         "--pipeline-parallel-size",
-        type=_positive_int("--pipeline-parallel-size"),
         default=1,
         help="pipeline parallel size (default: 1)",
     )
@@ -97,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="KV cache data type, as vLLM's --kv-cache-dtype (default: auto, the model's dtype on this platform)",
     )
-    parser.add_argument(
+    _add_count(
+        parser,
         "--block-size",
-        type=_positive_int("--block-size"),
         default=None,
         help="tokens per KV cache block; default: the platform's (128 on the CPU backend)",
     )
@@ -108,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="model data type, as vLLM's --dtype (default: auto)",
     )
-    parser.add_argument(
+    _add_count(
+        parser,
         "--max-num-batched-tokens",
-        type=_positive_int("--max-num-batched-tokens"),
         default=None,
         help="scheduler budget per step; sliding-window layers keep this many extra tokens "
         "(default: vLLM's default for `vllm serve`; LLM(...) uses a larger one)",

@@ -63,9 +63,23 @@ def config_only(cpu_vllm: None) -> Any:
     return _config_only
 
 
+TINY_CONFIG: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "vocab_size": 512,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 1,
+}
+"""What every config-only model shares (``config_only`` fills it in)."""
+ATTENTION: dict[str, Any] = {"intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
+"""The attention of a config-only decoder: 4 heads of 64, 2 KV heads."""
+
+
 def _config_only(tmp_path: Path, config_class: str, **params: Any) -> str:
-    """A model folder holding only a config.json: all the planner reads."""
+    """A model folder holding only a config.json (``TINY_CONFIG`` and
+    ``params``): all the planner reads."""
     import transformers
 
-    getattr(transformers, config_class)(**params).save_pretrained(tmp_path)
+    getattr(transformers, config_class)(**{**TINY_CONFIG, **params}).save_pretrained(tmp_path)
     return str(tmp_path)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.plan.conftest import BF16, CPU_BLOCK, fails, plan_json
+from tests.unit.plan.conftest import ATTENTION, BF16, CPU_BLOCK, fails, plan_json
 from vllm_kv_cache_limit import compat
 from vllm_kv_cache_limit.plan import introspect, main
 from vllm_kv_cache_limit.sizes import format_size, parse_size
@@ -171,16 +171,8 @@ def test_architecture_not_mirrored_is_an_estimate(
     model = config_only(
         tmp_path,
         "Phi3Config",
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
+        **ATTENTION,
         max_position_embeddings=2048,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
         architectures=["Phi3ForCausalLM"],
     )
     plan = plan_json([model, "--max-model-len", "512"], capsys)
@@ -196,12 +188,7 @@ def test_mla_is_an_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     model = config_only(
         tmp_path,
         "DeepseekV3Config",
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=512,
+        **{**ATTENTION, "num_key_value_heads": 4},
         max_position_embeddings=2048,
         kv_lora_rank=64,
         q_lora_rank=None,
@@ -214,9 +201,6 @@ def test_mla_is_an_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
         moe_intermediate_size=128,
         n_group=1,
         topk_group=1,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
         architectures=["DeepseekV3ForCausalLM"],
     )
     plan = plan_json([model, "--max-model-len", "512"], capsys)
@@ -232,27 +216,13 @@ def test_hybrid_and_attention_free_models_are_refused(
     jamba = config_only(
         tmp_path / "jamba",
         "JambaConfig",
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
+        **ATTENTION,
         architectures=["JambaForCausalLM"],
     )
     assert "JambaForCausalLM mixes attention with Mamba" in fails([jamba], capsys)
     mamba = config_only(
         tmp_path / "mamba",
         "MambaConfig",
-        hidden_size=256,
-        num_hidden_layers=2,
-        vocab_size=512,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
         architectures=["MambaForCausalLM"],
     )
     assert "MambaForCausalLM is attention-free" in fails([mamba], capsys)
