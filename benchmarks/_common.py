@@ -24,20 +24,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_kv_cache_limit.probe import BASE_ENGINE_ARGS, SHARED_UTILIZATION, engine_env, run_child
+from vllm_kv_cache_limit.tiny_model import REPO_MODEL_DIR
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO / "benchmarks"
 RESULTS_DIR = BENCH_DIR / "results"
-DEFAULT_MODEL = REPO / "models" / "tiny-llama"
+DEFAULT_MODEL = REPO / REPO_MODEL_DIR
 WORKER = BENCH_DIR / "_worker.py"
 RESULT_PREFIX = "BENCH_RESULT "
 PLUGIN_NAME = "vllm_kv_cache_limit"
 ENGINE_TIMEOUT_S = 900
 
-# Per device: engine arguments that let an engine start beside others on a
+# Per device: the utilization that lets an engine start beside others on a
 # shared machine, and the KV block size vLLM picks for the tiny model.
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": {"gpu_memory_utilization": 0.25, "block_size": 128},
-    "cuda": {"gpu_memory_utilization": 0.5, "block_size": 16},
+    "cpu": {"gpu_memory_utilization": SHARED_UTILIZATION["cpu"], "block_size": 128},
+    "cuda": {"gpu_memory_utilization": SHARED_UTILIZATION["cuda"], "block_size": 16},
 }
 
 
@@ -74,12 +77,7 @@ def base_engine_args(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     util = args.gpu_memory_utilization
     if util is None:
         util = DEVICE_DEFAULTS[args.device]["gpu_memory_utilization"]
-    spec: dict[str, Any] = {
-        "model": model_path(args),
-        "gpu_memory_utilization": util,
-        "enforce_eager": True,
-        "seed": 0,
-    }
+    spec: dict[str, Any] = {"model": model_path(args), "gpu_memory_utilization": util, **BASE_ENGINE_ARGS}
     spec.update(extra)
     return spec
 
@@ -127,9 +125,7 @@ def bench_env(plugin: bool = True, **extra: str) -> dict[str, str]:
     """Environment for a child process. ``plugin=False`` excludes this plugin
     (and only it) through ``VLLM_PLUGINS``, which both vLLM and the plugin's
     start-up hook honour."""
-    env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONUNBUFFERED="1")
-    env.pop("VLLM_KV_CACHE_MAX_MEMORY", None)
+    env = engine_env(PYTHONUNBUFFERED="1")
     env.pop("VLLM_PLUGINS", None)
     if not plugin:
         env["VLLM_PLUGINS"] = ",".join(other_general_plugins())
@@ -166,27 +162,17 @@ def run_engine(
     launched = time.time()
     env["BENCH_LAUNCH_TIME"] = repr(launched)
     started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-    )
+    child = run_child([sys.executable, str(WORKER), json.dumps(spec)], env, timeout, REPO, RESULT_PREFIX)
     wall = time.perf_counter() - started
-    log = proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if lines:
-        result = json.loads(lines[-1][len(RESULT_PREFIX) :])
-    else:
-        result = {"ok": False, "error_type": "NoResult", "error": f"worker printed no result (exit {proc.returncode})"}
+    result = child.result
+    if result is None:
+        result = {"ok": False, "error_type": "NoResult", "error": f"worker printed no result (exit {child.returncode})"}
     path = None
     if log_name:
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         path = RESULTS_DIR / f"{log_name}.log"
-        path.write_text(log)
-    return EngineRun(result, log, wall, proc.returncode, path)
+        path.write_text(child.log)
+    return EngineRun(result, child.log, wall, child.returncode, path)
 
 
 def check_ok(run: EngineRun, what: str) -> None:

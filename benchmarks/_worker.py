@@ -24,9 +24,15 @@ import sys
 import time
 from typing import Any
 
-from vllm_kv_cache_limit.probe import engine_cache_settings, kv_cache_storages
+from _common import RESULT_PREFIX
 
-RESULT_PREFIX = "BENCH_RESULT "
+from vllm_kv_cache_limit.probe import (
+    engine_cache_settings,
+    enter_engine_process,
+    error_result,
+    kv_cache_storages,
+    print_result,
+)
 
 
 def _since_launch() -> float | None:
@@ -236,8 +242,7 @@ def run_workload(llm: Any, workload: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    enter_engine_process()
     spec = dict(spec)
     workload = spec.pop("workload", None)
     result: dict[str, Any] = {"ok": False}
@@ -271,16 +276,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         result["error_after_launch_s"] = _since_launch()
         if llm_started is not None:
             result["error_in_llm_s"] = time.perf_counter() - llm_started
-        result["error_type"] = type(exc).__name__
-        result["error"] = str(exc)
-        result["error_mro"] = [c.__name__ for c in type(exc).__mro__]
+        result.update(error_result(exc))
     return result
 
 
 def main() -> None:
-    result = run(json.loads(sys.argv[1]))
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
-    sys.exit(0 if result["ok"] else 1)
+    print_result(run(json.loads(sys.argv[1])), RESULT_PREFIX)
 
 
 if __name__ == "__main__":

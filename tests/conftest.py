@@ -1,4 +1,5 @@
-"""Markers by folder: tests/unit -> unit, tests/e2e -> e2e, tests/gpu -> gpu."""
+"""Markers by folder: tests/unit -> unit, tests/e2e -> e2e, tests/gpu -> gpu;
+and what the folders share: the repository's root and the tiny model."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from vllm_kv_cache_limit.tiny_model import REPO_MODEL_DIR
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+TEST_MAX_MODEL_LEN = 512
+"""The engines' max_model_len in the end-to-end and GPU tests."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -17,3 +22,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         parts = Path(str(item.fspath)).relative_to(REPO / "tests").parts
         if parts and parts[0] in ("unit", "e2e", "gpu"):
             item.add_marker(getattr(pytest.mark, parts[0]))
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    """The embedded tiny Llama under the repository, built once (shared with
+    `make serve` and the benchmarks)."""
+    from vllm_kv_cache_limit.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(REPO / REPO_MODEL_DIR))

@@ -253,8 +253,12 @@ PLANNER_APIS: tuple[Hook, ...] = (
     Hook(("vllm.v1.worker.utils",), "customize_attention_spec", versions=">=0.32"),
     Hook(("vllm.v1.attention.backend",), "AttentionBackend.customize_spec", ("cls", "spec"), versions="<0.32"),
     Hook(("vllm.distributed.kv_transfer.kv_connector.utils",), "get_current_attn_backends"),
+    Hook(("vllm.v1.attention.backends.utils",), "get_supported_kv_cache_layouts"),
     Hook(("vllm.v1.attention.backends.utils",), "resolve_kv_cache_layout"),
     Hook(("vllm.distributed.utils",), "get_pp_indices"),
+    Hook(("vllm.config.vllm",), "set_current_vllm_config"),
+    Hook(("vllm.utils.torch_utils",), "set_default_torch_dtype"),
+    Hook(("vllm.utils.torch_utils",), "kv_cache_dtype_str_to_dtype"),
     Hook(("vllm.v1.core.single_type_kv_cache_manager",), "register_all_kvcache_specs"),
     Hook(
         ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"),
@@ -264,7 +268,9 @@ PLANNER_APIS: tuple[Hook, ...] = (
 )
 """vLLM functions ``vllm-kv-plan`` calls (it wraps none): checked by
 ``scripts/check_hooks.py`` beside ``HOOKS``, but never at engine start-up,
-since the cap does not depend on them."""
+since the cap does not depend on them. ``plan.introspect`` finds each one
+here (a test ties the two); vLLM 0.33's ``get_global_kv_cache_groups`` is
+looked up in the modules of ``get_kv_cache_configs``."""
 
 
 def hooks_table() -> str:
@@ -302,9 +308,10 @@ def customize_attention_spec(backend: object, spec: object) -> object:
     return customize(backend, spec)
 
 
-def get_hook(qualname: str) -> Hook:
-    """The hook entry for ``qualname``."""
-    for hook in HOOKS:
+def get_hook(qualname: str, hooks: tuple[Hook, ...] | None = None) -> Hook:
+    """The entry for ``qualname`` in ``hooks`` (default: ``HOOKS``; the
+    planner looks up ``PLANNER_APIS``)."""
+    for hook in HOOKS if hooks is None else hooks:
         if hook.qualname == qualname:
             return hook
     raise KeyError(qualname)

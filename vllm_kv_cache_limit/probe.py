@@ -29,6 +29,69 @@ from typing import Any
 
 RESULT_PREFIX = "PROBE_RESULT "
 
+ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+"""What an engine process of the tests and benchmarks needs: models read
+offline, and ``LLM.collective_rpc`` with a plain function (the measurement)."""
+
+BASE_ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "seed": 0}
+"""``LLM(...)`` arguments every test and benchmark engine shares: no graph
+capture (a quick start) and seeded sampling."""
+
+SHARED_UTILIZATION = {"cpu": 0.25, "cuda": 0.5}
+"""Per device, a ``gpu_memory_utilization`` that lets an engine start beside
+others on a shared machine."""
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    """The environment for an engine in a child process: this process's,
+    with ``ENGINE_ENV`` and without a cap from the environment (the caller
+    sets the cap it means), plus ``extra``."""
+    from vllm_kv_cache_limit.policy import ENV_VAR
+
+    env = {**os.environ, **ENGINE_ENV}
+    env.pop(ENV_VAR, None)
+    env.update(extra)
+    return env
+
+
+def enter_engine_process() -> None:
+    """Called first in a child that starts an engine: ``ENGINE_ENV`` for this
+    process and its workers (an offline setting already made is kept)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", ENGINE_ENV["HF_HUB_OFFLINE"])
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = ENGINE_ENV["VLLM_ALLOW_INSECURE_SERIALIZATION"]
+
+
+def error_result(exc: BaseException) -> dict[str, Any]:
+    """An engine's failure as the result line reports it."""
+    return {"error_type": type(exc).__name__, "error": str(exc), "error_mro": [c.__name__ for c in type(exc).__mro__]}
+
+
+def print_result(result: dict[str, Any], prefix: str = RESULT_PREFIX) -> None:
+    """Print the result line and exit: 0 when ``result["ok"]``, else 1."""
+    print(prefix + json.dumps(result), flush=True)
+    sys.exit(0 if result["ok"] else 1)
+
+
+@dataclass
+class ChildRun:
+    """A child process that printed one result line (see :func:`run_child`)."""
+
+    result: dict[str, Any] | None
+    """The last result line's object; None when it printed none."""
+    log: str
+    returncode: int
+
+
+def run_child(
+    command: list[str], env: dict[str, str], timeout: float, cwd: Path | None = None, prefix: str = RESULT_PREFIX
+) -> ChildRun:
+    """Run ``command`` (an engine in its own process) to its end and read the
+    last line of its stdout that starts with ``prefix``."""
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(prefix)]
+    result = json.loads(lines[-1][len(prefix) :]) if lines else None
+    return ChildRun(result, proc.stdout + proc.stderr, proc.returncode)
+
 
 def kv_cache_storages(worker: Any) -> dict[int, tuple[int, str]]:
     """The distinct storages behind a worker's ``model_runner.kv_caches``
@@ -93,8 +156,8 @@ def engine_cache_settings(llm: Any) -> dict[str, Any]:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    """Start ``LLM(**spec)`` here, measure it, generate; the result object."""
+    enter_engine_process()
     spec = dict(spec)
     prompts = spec.pop("prompts", ["Hello, my name is"])
     max_tokens = spec.pop("max_tokens", 8)
@@ -113,9 +176,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             result["texts"] = [o.outputs[0].text for o in outputs]
         result["ok"] = True
     except Exception as exc:  # reported, not raised: the caller reads the line
-        result["error_type"] = type(exc).__name__
-        result["error"] = str(exc)
-        result["error_mro"] = [c.__name__ for c in type(exc).__mro__]
+        result.update(error_result(exc))
     return result
 
 
@@ -205,10 +266,7 @@ def api_servers(
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
-    result = run(spec)
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
-    sys.exit(0 if result["ok"] else 1)
+    print_result(run(json.loads(sys.argv[1])))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Memory sizes with units: one parser for the CLI, the Python API and the
-environment variable, and a formatter that writes sizes back in tidy units.
+environment variable, and a formatter that writes sizes back in tidy units;
+and counts (token counts, block sizes) written the way vLLM's CLI reads them.
 
 Pure logic: no vLLM import, so it is cheap to import and easy to test.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import re
 from decimal import ROUND_FLOOR, Decimal, InvalidOperation
 
-__all__ = ["MAX_SIZE_BYTES", "parse_size", "format_size", "format_gib"]
+__all__ = ["MAX_SIZE_BYTES", "parse_count", "parse_size", "format_size", "format_gib"]
 
 MAX_SIZE_BYTES = 2**63
 """Largest size accepted, in bytes (sizes are carried as signed 64-bit)."""
@@ -107,6 +108,29 @@ def parse_size(value: str | int) -> int:
     if nbytes > MAX_SIZE_BYTES:
         raise _invalid(value, "larger than 2**63 bytes")
     return nbytes
+
+
+_COUNT_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]?)\s*$")
+_COUNT_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_count(value: str) -> int:
+    """Return the whole number ``value`` denotes, read as vLLM's CLI reads
+    counts such as ``--max-model-len``: ``"512"``, ``"32k"`` (32000, lower
+    case is decimal), ``"32K"`` (32768, upper case is binary), ``"1.5k"``
+    (1500). Decimals go with lower-case suffixes only, as in vLLM, and are
+    rounded down. Raises ``ValueError`` quoting the input for anything else.
+    """
+    match = _COUNT_RE.match(value)
+    if match is None:
+        raise ValueError(f"Invalid count {value!r}: expected a whole number with an optional k, m, g, K, M or G")
+    number, suffix = match.groups()
+    scale = _COUNT_SCALE[suffix]
+    if "." in number:
+        if suffix == "" or suffix.isupper():
+            raise ValueError(f"Invalid count {value!r}: decimals need a lower-case (decimal) suffix such as k")
+        return int(float(number) * scale)
+    return int(number) * scale
 
 
 _BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))

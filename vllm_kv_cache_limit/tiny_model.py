@@ -94,6 +94,11 @@ def _train_tokenizer(out: Path) -> Any:
     return fast
 
 
+REPO_MODEL_DIR = Path("models") / "tiny-llama"
+"""Where the repository keeps the tiny Llama, relative to its root: ``make
+serve``, the tests and the benchmarks build and use it there."""
+
+
 def build_tiny_model(out_dir: str | os.PathLike[str], arch: str = "llama", **overrides: Any) -> Path:
     """Write a tiny random-weight model of ``arch`` to ``out_dir`` (skipped
     when a complete one is already there) and return its path."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -15,50 +14,31 @@ from typing import Any
 
 import pytest
 
-from vllm_kv_cache_limit.probe import RESULT_PREFIX
-from vllm_kv_cache_limit.probe import api_servers as probe_api_servers
-from vllm_kv_cache_limit.tiny_model import build_tiny_model
+from tests.conftest import REPO, TEST_MAX_MODEL_LEN
+from vllm_kv_cache_limit import probe as engine_probe
 
-REPO = Path(__file__).resolve().parents[2]
 ENGINE_TIMEOUT_S = 300
 
 # Small CPU budget so engines fit beside each other on a 2-core test machine.
 BASE_ENGINE_ARGS: dict[str, Any] = {
-    "max_model_len": 512,
-    "gpu_memory_utilization": 0.25,
-    "enforce_eager": True,
-    "seed": 0,
+    **engine_probe.BASE_ENGINE_ARGS,
+    "max_model_len": TEST_MAX_MODEL_LEN,
+    "gpu_memory_utilization": engine_probe.SHARED_UTILIZATION["cpu"],
 }
 
-
-@pytest.fixture(scope="session")
-def tiny_model() -> str:
-    """The embedded tiny Llama, built once (shared with `make serve`)."""
-    return str(build_tiny_model(REPO / "models" / "tiny-llama"))
-
-
-def engine_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-    env.pop("VLLM_KV_CACHE_MAX_MEMORY", None)
-    env.update(extra)
-    return env
+engine_env = engine_probe.engine_env
 
 
 def run_probe(spec: dict[str, Any], env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     """Run one engine in a fresh process; return its result and its log."""
-    proc = subprocess.run(
+    run = engine_probe.run_child(
         [sys.executable, "-m", "vllm_kv_cache_limit.probe", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=ENGINE_TIMEOUT_S,
-        env=env or engine_env(),
-        cwd=REPO,
+        env or engine_env(),
+        ENGINE_TIMEOUT_S,
+        REPO,
     )
-    log = proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    assert lines, f"probe printed no result (exit {proc.returncode}):\n{log[-4000:]}"
-    return json.loads(lines[-1][len(RESULT_PREFIX) :]), log
+    assert run.result is not None, f"probe printed no result (exit {run.returncode}):\n{run.log[-4000:]}"
+    return run.result, run.log
 
 
 def node_memory() -> tuple[int, int]:
@@ -136,7 +116,15 @@ def probe(tiny_model: str):
 def server_args(model: str, cap: str | None = None, utilization: float | None = None, *extra: str) -> list[str]:
     """CLI arguments of an OpenAI API server with ``model`` served as "tiny"
     (eager, max_model_len 512), with the cap and utilization when given."""
-    args = ["--model", model, "--served-model-name", "tiny", "--max-model-len", "512", "--enforce-eager"]
+    args = [
+        "--model",
+        model,
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        str(TEST_MAX_MODEL_LEN),
+        "--enforce-eager",
+    ]
     if utilization is not None:
         args += ["--gpu-memory-utilization", str(utilization)]
     if cap is not None:
@@ -164,7 +152,7 @@ def api_servers(
     """Start one OpenAI API server per name at the same time (see
     ``probe.api_servers``), fail unless all answer /health, yield
     ``{name: (base_url, log_path)}``, and stop them all."""
-    with probe_api_servers(servers, folder, ENGINE_TIMEOUT_S, REPO) as running:
+    with engine_probe.api_servers(servers, folder, ENGINE_TIMEOUT_S, REPO) as running:
         for name, server in running.items():
             if server.ready_s is None:
                 state = f"exited {server.returncode}" if server.returncode is not None else "not ready"

@@ -9,6 +9,7 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -47,6 +48,28 @@ def bind_two_workers(what: str) -> str:
         )
     half = len(cpus) // 2
     return ",".join(map(str, cpus[:half])) + "|" + ",".join(map(str, cpus[half:]))
+
+
+def run_two_workers(probe: Any, what: str, worker: str, cap: int, **engine_args: Any) -> dict[str, Any]:
+    """Start the tiny model on two CPU workers (``what``, e.g. "tensor
+    parallel 2"; each a ``worker``) with ``cap`` and return the result. A
+    failure of the plugin fails the test; one of vLLM's own (no plugin frame
+    in the traceback, not the plugin's error) skips it with vLLM's error, since
+    the CPU build cannot run it here."""
+    bind = bind_two_workers(worker)
+    result, log = probe(
+        env={"VLLM_CPU_OMP_THREADS_BIND": bind},
+        gpu_memory_utilization=0.2,
+        kv_cache_max_memory=f"{cap // MiB}M",
+        **engine_args,
+    )
+    if not result["ok"]:
+        plugin_frames = [line for line in log.splitlines() if 'File "' in line and "vllm_kv_cache_limit" in line]
+        if result.get("error_type") != "KVCacheMaxMemoryError" and not plugin_frames:
+            causes = [line for line in log.splitlines() if re.search(r"\b\w*(Error|Exception):", line)]
+            pytest.skip(f"vLLM's CPU build cannot run {what} here: {(causes or [result.get('error')])[0].strip()}")
+        pytest.fail(f"{result.get('error_type')}: {result.get('error')}\n{log[-4000:]}")
+    return result
 
 
 def metric_labels(metrics: str, name: str) -> dict[str, str]:
@@ -125,22 +148,8 @@ def test_servers_have_different_block_counts(servers) -> None:
 def test_tensor_parallel_2_each_worker_respects_the_cap(probe, tiny_model: str) -> None:
     """Tensor parallel 2 on the CPU backend: the cap is per worker, measured
     in each worker from its KV cache tensors."""
-    bind = bind_two_workers("tensor-parallel worker")
     cap = CAPS["small"]
-    result, log = probe(
-        env={"VLLM_CPU_OMP_THREADS_BIND": bind},
-        tensor_parallel_size=2,
-        gpu_memory_utilization=0.2,
-        kv_cache_max_memory=f"{cap // MiB}M",
-    )
-    if not result["ok"]:
-        plugin_frames = [line for line in log.splitlines() if 'File "' in line and "vllm_kv_cache_limit" in line]
-        if result.get("error_type") != "KVCacheMaxMemoryError" and not plugin_frames:
-            causes = [line for line in log.splitlines() if re.search(r"\b\w*(Error|Exception):", line)]
-            pytest.skip(
-                f"vLLM's CPU build cannot run tensor parallel 2 here: {(causes or [result.get('error')])[0].strip()}"
-            )
-        pytest.fail(f"{result.get('error_type')}: {result.get('error')}\n{log[-4000:]}")
+    result = run_two_workers(probe, "tensor parallel 2", "tensor-parallel worker", cap, tensor_parallel_size=2)
     per_block = kv_bytes_per_block(tiny_model, result["block_size"], tensor_parallel_size=2)
     assert len(result["kv_cache_bytes"]) == 2
     for measured in result["kv_cache_bytes"]:
@@ -155,16 +164,10 @@ def test_pipeline_parallel_2_each_worker_respects_the_cap(probe, tiny_model: str
     of the two layers and keeps to the cap. Only the allocation is checked:
     generating with pipeline parallelism fails in vLLM 0.32's CPU build with
     or without the plugin (an AssertionError in the second stage's worker)."""
-    bind = bind_two_workers("pipeline stage's worker")
     cap = CAPS["small"]
-    result, log = probe(
-        env={"VLLM_CPU_OMP_THREADS_BIND": bind},
-        pipeline_parallel_size=2,
-        gpu_memory_utilization=0.2,
-        kv_cache_max_memory=f"{cap // MiB}M",
-        prompts=[],
+    result = run_two_workers(
+        probe, "pipeline parallel 2", "pipeline stage's worker", cap, pipeline_parallel_size=2, prompts=[]
     )
-    assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{log[-4000:]}"
     config = json.loads((Path(tiny_model) / "config.json").read_text())
     # One of the two layers per stage: half the bytes per block of one worker.
     per_block = kv_bytes_per_block(tiny_model, result["block_size"]) // config["num_hidden_layers"]

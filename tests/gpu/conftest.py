@@ -15,14 +15,15 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO, TEST_MAX_MODEL_LEN
+from vllm_kv_cache_limit import probe as engine_probe
+
 DRIVER = Path(__file__).with_name("engine_driver.py")
 ENGINE_TIMEOUT_S = 300
 
 BASE_ENGINE_ARGS: dict[str, Any] = {
-    "max_model_len": 512,
-    "enforce_eager": True,
-    "seed": 0,
+    **engine_probe.BASE_ENGINE_ARGS,
+    "max_model_len": TEST_MAX_MODEL_LEN,
     # vLLM's defaults for these depend on the GPU; pinned, every GPU sees
     # the same profiling run and the same minimum block count.
     "max_num_seqs": 16,
@@ -55,23 +56,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-@pytest.fixture(scope="session")
-def tiny_model() -> str:
-    from vllm_kv_cache_limit.tiny_model import build_tiny_model
-
-    return str(build_tiny_model(REPO / "models" / "tiny-llama"))
-
-
 def gpu_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-        CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0"),
-    )
-    env.pop("VLLM_KV_CACHE_MAX_MEMORY", None)
-    env.update(extra)
-    return env
+    """``probe.engine_env`` on the first GPU unless CUDA_VISIBLE_DEVICES says otherwise."""
+    return engine_probe.engine_env(**{"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0"), **extra})
 
 
 class Engine:

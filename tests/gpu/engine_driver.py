@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_kv_cache_limit.probe import engine_cache_settings, enter_engine_process, error_result, kv_cache_storages
+
 PROMPTS = ["Hello, my name is", "The capital of France is"]
 
 
@@ -24,8 +26,6 @@ def worker_cuda_memory(worker: Any) -> dict[str, Any]:
     """Measured in the worker: the KV cache tensors' distinct storages (and
     their devices), the model weights, and torch's allocator on the device."""
     import torch
-
-    from vllm_kv_cache_limit.probe import kv_cache_storages
 
     storages = kv_cache_storages(worker)
     runner = worker.model_runner
@@ -56,19 +56,12 @@ def main() -> None:
     out = Path(sys.argv[2])
     go = Path(sys.argv[3]) if len(sys.argv) > 3 else None
     result: dict[str, Any] = {"ok": False, "pid": os.getpid()}
+    enter_engine_process()
     try:
         from vllm import LLM, SamplingParams
 
         llm = LLM(**spec)
-        cache_config = llm.llm_engine.vllm_config.cache_config
-        result.update(
-            workers=llm.collective_rpc(worker_cuda_memory),
-            num_gpu_blocks=cache_config.num_gpu_blocks,
-            block_size=cache_config.block_size,
-            kv_cache_max_memory=getattr(cache_config, "kv_cache_max_memory", None),
-            max_model_len=llm.llm_engine.vllm_config.model_config.max_model_len,
-            ready=True,
-        )
+        result.update(engine_cache_settings(llm), workers=llm.collective_rpc(worker_cuda_memory), ready=True)
         if go is not None:
             write(out, result)
             while not go.exists():
@@ -77,8 +70,7 @@ def main() -> None:
         result["texts"] = [o.outputs[0].text for o in outputs]
         result["ok"] = True
     except Exception as exc:  # reported, not raised: the test reads the file
-        result["error_type"] = type(exc).__name__
-        result["error"] = str(exc)
+        result.update(error_result(exc))
     write(out, result)
     sys.exit(0 if result["ok"] else 1)
 

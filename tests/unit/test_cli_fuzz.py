@@ -10,17 +10,16 @@ import os
 import subprocess
 import sys
 from argparse import ArgumentError, ArgumentParser
-from pathlib import Path
 
 import psutil
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import REPO
 from vllm_kv_cache_limit.policy import ENV_VAR, FLAG
 from vllm_kv_cache_limit.sizes import parse_size
 
-REPO = Path(__file__).resolve().parents[2]
 BAD_VALUES = ["8 gigs", "-1G", "1.5.5G", "0", "", "lots", "8Gb/s", "1e9"]
 fuzz = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -30,14 +29,6 @@ sizes = st.builds(
     st.sampled_from(["", "B", "K", "M", "G", "k", "m", "g", "KiB", "mib", "GI", "KB", "mb", "Gb", "TiB"]),
     st.sampled_from(["", " "]),
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> str:
-    """The tiny Llama's folder (only its config is read here)."""
-    from vllm_kv_cache_limit.tiny_model import build_tiny_model
-
-    return str(build_tiny_model(REPO / "models" / "tiny-llama"))
 
 
 @functools.lru_cache(maxsize=1)

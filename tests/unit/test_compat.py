@@ -18,9 +18,9 @@ from types import ModuleType
 
 import pytest
 
+from tests.conftest import REPO
 from vllm_kv_cache_limit import compat
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "check_hooks.py"
 NEWEST_CUDA = "0.33.0"
 

@@ -400,11 +400,8 @@ def test_hook_failure_under_a_cap_stops_naming_the_hook(tmp_path: Path) -> None:
     assert "IMPORT_FAILED KVCacheMaxMemoryError" in _run_failing_hook({"VLLM_KV_CACHE_MAX_MEMORY": "16M"})
 
 
-def test_hook_failure_without_a_cap_warns_then_a_cap_stops_start_up() -> None:
-    from vllm_kv_cache_limit.tiny_model import build_tiny_model
-
-    model = str(build_tiny_model(Path(__file__).resolve().parents[2] / "models" / "tiny-llama"))
-    out = _run_failing_hook({}, model)
+def test_hook_failure_without_a_cap_warns_then_a_cap_stops_start_up(tiny_model: str) -> None:
+    out = _run_failing_hook({}, tiny_model)
     assert "IMPORTED" in out, out
     assert "could not hook vllm.v1.engine.core" in out
     assert "CONFIG_FAILED KVCacheMaxMemoryError" in out, out

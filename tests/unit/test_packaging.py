@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO
 from vllm_kv_cache_limit import compat
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_entry_point_is_registered() -> None:

@@ -1,10 +1,14 @@
-"""The size parser and formatter: tables of valid and invalid inputs."""
+"""The size parser and formatter, and the count parser: tables of valid and
+invalid inputs."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 from vllm_kv_cache_limit import format_size, parse_size
+from vllm_kv_cache_limit.sizes import parse_count
 
 GiB = 2**30
 
@@ -132,3 +136,29 @@ def test_format_size_round_trips_in_the_right_direction(nbytes: int) -> None:
     assert parse_size(format_size(nbytes, "up")) >= nbytes
     if nbytes >= 1:
         assert parse_size(format_size(nbytes, "down")) <= nbytes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512", 512),
+        (" 4096 ", 4096),
+        ("32k", 32_000),
+        ("32K", 32 * 2**10),
+        ("1.5k", 1_500),
+        ("2m", 2_000_000),
+        ("2M", 2 * 2**20),
+        ("1g", 10**9),
+        ("1G", 2**30),
+        ("8 k", 8_000),
+        ("0", 0),
+    ],
+)
+def test_valid_counts_read_like_vllm(text: str, expected: int) -> None:
+    assert parse_count(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "long", "-5", "1.5", "1.5K", "8T", "8kb", "1e3", "0x10", "k"])
+def test_invalid_counts_quote_input(text: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"Invalid count {text!r}")):
+        parse_count(text)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
+
 WORKFLOWS = sorted((REPO / ".github" / "workflows").glob("*.yml"))
 
 
