@@ -156,6 +156,7 @@ def report(label: str, version: str, problems: list[str], total: int | None = No
 
 
 PLANNER = "vllm-kv-plan APIs"
+RESIZE = "run-time resize hooks"
 
 
 def check_wheel(wheel: Path, cache_dir: Path) -> bool:
@@ -172,7 +173,9 @@ def check_tree(root: Path, label: str, version: str) -> bool:
     the source tree ``root``; one line each; True when all fit."""
     known = None if version == "unknown" else version
     hooks, apis = compat.for_version(compat.HOOKS, known), compat.for_version(compat.PLANNER_APIS, known)
+    resize = compat.for_version(compat.RESIZE_HOOKS, known)
     ok = report(label, version, compat.check_hooks_in_source(root, hooks), len(hooks))
+    ok &= report(label, version, compat.check_hooks_in_source(root, resize), len(resize), RESIZE)
     return report(label, version, compat.check_hooks_in_source(root, apis), len(apis), PLANNER) and ok
 
 
@@ -211,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         hooks, apis = compat.for_version(compat.HOOKS, installed), compat.for_version(compat.PLANNER_APIS, installed)
         ok &= report("installed", installed, compat.check_hooks(), len(hooks))
         ok &= report("installed", installed, compat.check_hooks(compat.PLANNER_APIS), len(apis), PLANNER)
+        resize = compat.for_version(compat.RESIZE_HOOKS, installed)
+        ok &= report("installed", installed, compat.check_hooks(compat.RESIZE_HOOKS), len(resize), RESIZE)
 
     if args.source is not None:
         if not (args.source / "vllm").is_dir():

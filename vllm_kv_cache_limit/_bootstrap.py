@@ -38,7 +38,8 @@ HOOKED_MODULES: dict[str, str] = {
     # Run-time resize (optional: never stops start-up; see _resize_hooks).
     "vllm.v1.core.block_pool": "patch_block_pool",
     "vllm.v1.worker.worker_base": "patch_worker_base",
-    "vllm.entrypoints.launchers.cli_args": "patch_server_arg_parser",
+    "vllm.entrypoints.common.cli_args": "patch_server_arg_parser",  # vLLM 0.33
+    "vllm.entrypoints.launchers.cli_args": "patch_server_arg_parser",  # vLLM 0.29-0.32
     "vllm.entrypoints.launchers.app": "patch_server_app",
 }
 

@@ -57,7 +57,7 @@ _called_checked = False
 
 def _problem(qualname: str) -> str | None:
     try:
-        hook = compat.get_resize_hook(qualname)
+        hook = compat.get_hook(qualname, compat.RESIZE_HOOKS)
     except KeyError:
         return None
     return compat.resolve_hook(hook)[1]

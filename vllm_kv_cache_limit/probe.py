@@ -265,6 +265,78 @@ def api_servers(
                 proc.wait()
 
 
+class CompletionLoad:
+    """``clients`` threads sending greedy completions of exactly
+    ``max_tokens`` tokens back to back to the OpenAI server at ``base``
+    (``with CompletionLoad(...) as load:``). Every reply is recorded, so a
+    failed request cannot go unseen: ``done`` holds the monotonic time each
+    request finished, ``failures`` what went wrong. Each prompt starts with
+    its own number, so the prefix cache shares no block between requests.
+    Python's ``requests`` is needed."""
+
+    def __init__(
+        self, base: str, clients: int, prompt: str, max_tokens: int, headers: dict[str, str] | None = None
+    ) -> None:
+        import threading
+
+        self.base, self.prompt, self.max_tokens, self.headers = base, prompt, max_tokens, headers or {}
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.sent = 0
+        self.done: list[float] = []
+        self.failures: list[str] = []
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
+
+    @property
+    def completed(self) -> int:
+        return len(self.done)
+
+    def _client(self) -> None:
+        import requests
+
+        while not self.stop.is_set():
+            with self.lock:
+                self.sent += 1
+                prompt = f"{self.sent} {self.prompt}"
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0}
+            try:
+                reply = requests.post(
+                    f"{self.base}/v1/completions", json={**body, "ignore_eos": True}, headers=self.headers, timeout=600
+                )
+                ok = reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == self.max_tokens
+                problem = None if ok else f"{reply.status_code}: {reply.text[:300]}"
+            except Exception as exc:
+                problem = repr(exc)
+            with self.lock:
+                if problem:
+                    self.failures.append(problem)
+                else:
+                    self.done.append(time.monotonic())
+
+    def __enter__(self) -> CompletionLoad:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=600)
+
+
+def metric(base: str, name: str) -> float:
+    """The sum of metric ``name`` over its label sets on ``base``/metrics."""
+    import re
+
+    import requests
+
+    text = requests.get(base + "/metrics", timeout=60).text
+    values = [float(m[1]) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    if not values:
+        raise KeyError(f"{name} not in {base}/metrics")
+    return sum(values)
+
+
 def main() -> None:
     print_result(run(json.loads(sys.argv[1])))
 

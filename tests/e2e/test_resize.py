@@ -7,8 +7,6 @@ sliding-window (hybrid) model."""
 
 from __future__ import annotations
 
-import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +16,7 @@ import pytest
 import requests
 
 from tests.e2e.conftest import api_servers, engine_env, server_args
+from vllm_kv_cache_limit.probe import CompletionLoad, metric
 from vllm_kv_cache_limit.tiny_model import build_tiny_model
 
 MiB = 2**20
@@ -66,69 +65,14 @@ def resize(base: str, **body: Any) -> requests.Response:
     return requests.post(base + ROUTE, json=body, headers=AUTH, timeout=180)
 
 
-def metric(base: str, name: str) -> float:
-    text = requests.get(base + "/metrics", timeout=60).text
-    values = [float(m[1]) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-    assert values, f"{name} not in /metrics"
-    return sum(values)
-
-
 def worker_rpc(base: str, method: str) -> list[int]:
     reply = requests.post(base + "/collective_rpc", json={"method": method}, headers=AUTH, timeout=60)
     assert reply.status_code == 200, reply.text
     return [int(r) for r in reply.json()["results"]]
 
 
-class Load:
-    """``CLIENTS`` threads sending completions back to back; every reply is
-    recorded, so a failed request cannot go unseen."""
-
-    def __init__(self, base: str) -> None:
-        self.base = base
-        self.stop = threading.Event()
-        self.completed = 0
-        self.sent = 0
-        self.failures: list[str] = []
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self.client, daemon=True) for _ in range(CLIENTS)]
-
-    def client(self) -> None:
-        while not self.stop.is_set():
-            with self.lock:
-                self.sent += 1
-                prompt = f"{self.sent} {PROMPT}"
-            try:
-                reply = requests.post(
-                    f"{self.base}/v1/completions",
-                    json={
-                        "model": "tiny",
-                        "prompt": prompt,
-                        "max_tokens": MAX_TOKENS,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                    },
-                    headers=AUTH,
-                    timeout=300,
-                )
-                ok = reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == MAX_TOKENS
-                problem = None if ok else f"{reply.status_code}: {reply.text[:300]}"
-            except Exception as exc:
-                problem = repr(exc)
-            with self.lock:
-                if problem:
-                    self.failures.append(problem)
-                else:
-                    self.completed += 1
-
-    def __enter__(self) -> Load:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(timeout=300)
+def load_on(base: str) -> CompletionLoad:
+    return CompletionLoad(base, CLIENTS, PROMPT, MAX_TOKENS, AUTH)
 
 
 def running_requests(base: str) -> float:
@@ -149,7 +93,7 @@ def test_shrink_and_grow_under_load_lose_no_request(servers: dict[str, str], mod
     base = servers["resize"]
     start = resize(base, size="48M").json()  # whatever an earlier test left
     assert start["kv_cache_allocated_bytes"] == 48 * MiB and start["num_blocks_limit"] == start["num_blocks_allocated"]
-    with Load(base) as load:
+    with load_on(base) as load:
         # The premise: every block of the cache has been in use (its pages are
         # resident), so the shrink has 32 MiB of pages to give back.
         wait_for(lambda: metric(base, "vllm:kv_cache_usage_perc") >= 0.9, 120, "the KV cache to fill up")
@@ -265,7 +209,9 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize(("arch", "mode"), [("llama", "preempt"), ("gemma2", "drain")])
+@pytest.mark.parametrize(
+    ("arch", "mode"), [pytest.param("llama", "preempt", marks=pytest.mark.smoke), ("gemma2", "drain")]
+)
 def test_outputs_unchanged_across_a_resize_with_prefix_caching(
     tiny_model: str, tmp_path: Path, arch: str, mode: str
 ) -> None:

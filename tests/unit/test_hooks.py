@@ -416,7 +416,7 @@ def test_every_hook_is_listed_in_compat() -> None:
 
     from vllm_kv_cache_limit import _hooks, compat
 
-    listed_modules = {m for hook in compat.HOOKS for m in hook.modules}
+    listed_modules = {m for hook in compat.HOOKS + compat.RESIZE_HOOKS for m in hook.modules}
     listed_names = {hook.qualname for hook in compat.HOOKS}
     assert set(_bootstrap.HOOKED_MODULES) <= listed_modules
     tree = ast.parse(inspect.getsource(_hooks))
