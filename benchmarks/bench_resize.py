@@ -121,7 +121,9 @@ def main() -> None:
                 event = {"phase": name, "t_s": round(time.monotonic() - t0, 2)}
                 if size is not None:
                     started = time.monotonic()
-                    reply = requests.post(base + ROUTE, json={"size": size, "mode": mode, "timeout_s": 120}, timeout=300)
+                    reply = requests.post(
+                        base + ROUTE, json={"size": size, "mode": mode, "timeout_s": 120}, timeout=300
+                    )
                     reply.raise_for_status()
                     event.update(hold_s=round(time.monotonic() - started, 3), holds=reply.json()["holds"], mode=mode)
                 events.append(event)
