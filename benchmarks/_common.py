@@ -215,6 +215,16 @@ def fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+PAIR_COLUMNS: list[tuple[str, str]] = [("pair", "pair"), ("variant", "variant")]
+"""The first columns of a table of paired runs."""
+
+
+def print_table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str]], digits: int = 3) -> None:
+    """Print a blank line, then :func:`table`."""
+    print()
+    print(table(rows, columns, digits))
+
+
 def table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str]], digits: int = 3) -> str:
     """A Markdown table of ``rows`` with (key, header) ``columns``."""
     rows = list(rows)

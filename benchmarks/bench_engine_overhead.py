@@ -191,39 +191,31 @@ def main() -> None:
             "full_check_modules_added_count": len(attribution[-1]["full_check_modules_added"]),
         }
 
-    print()
-    print(
-        c.table(
-            rows,
-            [
-                ("pair", "pair"),
-                ("variant", "variant"),
-                ("blocks", "blocks"),
-                ("plugin_log_line", "plugin INFO line"),
-                ("startup_s", "LLM() start-up s"),
-                ("ready_after_launch_s", "launch->ready s"),
-                ("startup_cpu_s", "start-up CPU s"),
-                ("tokens_per_s", "output tok/s"),
-                ("tokens_per_cpu_s", "output tok/CPU s"),
-                ("preemptions", "preemptions"),
-            ],
-            digits=2,
-        )
+    c.print_table(
+        rows,
+        [
+            *c.PAIR_COLUMNS,
+            ("blocks", "blocks"),
+            ("plugin_log_line", "plugin INFO line"),
+            ("startup_s", "LLM() start-up s"),
+            ("ready_after_launch_s", "launch->ready s"),
+            ("startup_cpu_s", "start-up CPU s"),
+            ("tokens_per_s", "output tok/s"),
+            ("tokens_per_cpu_s", "output tok/CPU s"),
+            ("preemptions", "preemptions"),
+        ],
+        digits=2,
     )
-    print()
-    print(
-        c.table(
-            rows,
-            [
-                ("pair", "pair"),
-                ("variant", "variant"),
-                ("create_engine_config_s", "first process: create_engine_config s"),
-                ("parent_full_gc_count", "full GCs in LLM()"),
-                ("parent_full_gc_s", "full GC s"),
-                ("parent_modules", "modules after LLM()"),
-            ],
-            digits=3,
-        )
+    c.print_table(
+        rows,
+        [
+            *c.PAIR_COLUMNS,
+            ("create_engine_config_s", "first process: create_engine_config s"),
+            ("parent_full_gc_count", "full GCs in LLM()"),
+            ("parent_full_gc_s", "full GC s"),
+            ("parent_modules", "modules after LLM()"),
+        ],
+        digits=3,
     )
     print()
     for name, ratios in summary["ratios"].items():

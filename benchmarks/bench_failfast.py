@@ -71,25 +71,21 @@ def main() -> None:
                 flush=True,
             )
 
-    print()
-    print(
-        c.table(
-            rows,
-            [
-                ("pair", "pair"),
-                ("variant", "variant"),
-                ("argument", "argument"),
-                ("error_after_launch_s", "launch->error s"),
-                ("import_s", "import vllm s"),
-                ("error_in_llm_s", "LLM()->error s"),
-                ("process_wall_s", "process exit s"),
-                ("engine_core_started", "engine core"),
-                ("model_load_started", "model load"),
-                ("weights_loaded", "weights loaded"),
-                ("error_type", "error"),
-            ],
-            digits=2,
-        )
+    c.print_table(
+        rows,
+        [
+            *c.PAIR_COLUMNS,
+            ("argument", "argument"),
+            ("error_after_launch_s", "launch->error s"),
+            ("import_s", "import vllm s"),
+            ("error_in_llm_s", "LLM()->error s"),
+            ("process_wall_s", "process exit s"),
+            ("engine_core_started", "engine core"),
+            ("model_load_started", "model load"),
+            ("weights_loaded", "weights loaded"),
+            ("error_type", "error"),
+        ],
+        digits=2,
     )
     med, med_llm = {}, {}
     for name in variants:

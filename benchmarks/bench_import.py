@@ -236,23 +236,20 @@ def main() -> None:
                     "ratio": s[f"ratio_{kind}_medians"],
                 }
             )
-    print()
-    print(
-        c.table(
-            table_rows,
-            [
-                ("statement", "statement"),
-                ("measure", "measure"),
-                ("pairs", "pairs"),
-                ("active", "active median s"),
-                ("spread_active", "active IQR s"),
-                ("excluded", "excluded median s"),
-                ("spread_excluded", "excluded IQR s"),
-                ("diff_ms", "paired diff median ms"),
-                ("diff_iqr", "paired diff IQR ms"),
-                ("ratio", "ratio of medians"),
-            ],
-        )
+    c.print_table(
+        table_rows,
+        [
+            ("statement", "statement"),
+            ("measure", "measure"),
+            ("pairs", "pairs"),
+            ("active", "active median s"),
+            ("spread_active", "active IQR s"),
+            ("excluded", "excluded median s"),
+            ("spread_excluded", "excluded IQR s"),
+            ("diff_ms", "paired diff median ms"),
+            ("diff_iqr", "paired diff IQR ms"),
+            ("ratio", "ratio of medians"),
+        ],
     )
     # Start-up hook: in a bare interpreter everything under it counts; in a
     # vLLM process only the modules vLLM would not import anyway.

@@ -101,25 +101,22 @@ def main() -> None:
                 row["within_5pct"] = abs(drop / expected - 1) <= 0.05 if expected else None
             rows.append(row)
 
-    print()
-    print(
-        c.table(
-            rows,
-            [
-                ("cycle", "cycle"),
-                ("cap", "cap"),
-                ("budget_gib_logged", "budget GiB (log)"),
-                ("kv_mib", "KV MiB"),
-                ("kv_resident_mib", "KV resident MiB"),
-                ("in_use_mib", "worker RSS MiB" if args.device == "cpu" else "device used MiB"),
-                ("non_kv_mib", "in use - KV MiB"),
-                ("expected_drop_mib", "budget-cap MiB"),
-                ("drop_mib", "drop MiB"),
-                ("drop_ratio", "drop/(budget-cap)"),
-                ("tree_drop_ratio", "all procs drop ratio"),
-                ("within_5pct", "within 5%"),
-            ],
-        )
+    c.print_table(
+        rows,
+        [
+            ("cycle", "cycle"),
+            ("cap", "cap"),
+            ("budget_gib_logged", "budget GiB (log)"),
+            ("kv_mib", "KV MiB"),
+            ("kv_resident_mib", "KV resident MiB"),
+            ("in_use_mib", "worker RSS MiB" if args.device == "cpu" else "device used MiB"),
+            ("non_kv_mib", "in use - KV MiB"),
+            ("expected_drop_mib", "budget-cap MiB"),
+            ("drop_mib", "drop MiB"),
+            ("drop_ratio", "drop/(budget-cap)"),
+            ("tree_drop_ratio", "all procs drop ratio"),
+            ("within_5pct", "within 5%"),
+        ],
     )
     checked = [r["within_5pct"] for r in rows if r.get("within_5pct") is not None]
     touched = [

@@ -69,25 +69,22 @@ def main() -> None:
                 flush=True,
             )
 
-    print()
-    print(
-        c.table(
-            rows,
-            [
-                ("cap", "cap"),
-                ("cap_bytes", "cap bytes"),
-                ("cap_in_blocks", "cap/block"),
-                ("allocated_bytes", "allocated bytes"),
-                ("blocks", "blocks"),
-                ("alloc_over_cap", "alloc/cap"),
-                ("alloc_over_whole_blocks", "alloc/whole blocks"),
-                ("under_cap_bytes", "under cap by"),
-                ("never_over", "<= cap"),
-                ("within_one_block", "< 1 block under"),
-                ("ratio_target", ">= 0.99 (>=100 blk)"),
-            ],
-            digits=4,
-        )
+    c.print_table(
+        rows,
+        [
+            ("cap", "cap"),
+            ("cap_bytes", "cap bytes"),
+            ("cap_in_blocks", "cap/block"),
+            ("allocated_bytes", "allocated bytes"),
+            ("blocks", "blocks"),
+            ("alloc_over_cap", "alloc/cap"),
+            ("alloc_over_whole_blocks", "alloc/whole blocks"),
+            ("under_cap_bytes", "under cap by"),
+            ("never_over", "<= cap"),
+            ("within_one_block", "< 1 block under"),
+            ("ratio_target", ">= 0.99 (>=100 blk)"),
+        ],
+        digits=4,
     )
     summary = {
         "assumed_block_bytes": assumed_block,

@@ -123,25 +123,22 @@ def main() -> None:
     for row in rows:
         row["tokens_per_s_ratio"] = row["tokens_per_s"] / reference
         row["tps_range"] = f"{row['tokens_per_s_min']:.0f}-{row['tokens_per_s_max']:.0f}"
-    print()
-    print(
-        c.table(
-            rows,
-            [
-                ("cap", "cap"),
-                ("blocks", "blocks"),
-                ("max_concurrent", "max concurrent"),
-                ("tokens_per_s", "output tok/s"),
-                ("tps_range", "min-max tok/s"),
-                ("tokens_per_s_ratio", "ratio to largest"),
-                ("seconds", "seconds"),
-                ("preemptions", "preemptions"),
-                ("preempted_requests", "preempted reqs"),
-                ("queue_s_mean", "queue mean s"),
-                ("queue_s_max", "queue max s"),
-            ],
-            digits=2,
-        )
+    c.print_table(
+        rows,
+        [
+            ("cap", "cap"),
+            ("blocks", "blocks"),
+            ("max_concurrent", "max concurrent"),
+            ("tokens_per_s", "output tok/s"),
+            ("tps_range", "min-max tok/s"),
+            ("tokens_per_s_ratio", "ratio to largest"),
+            ("seconds", "seconds"),
+            ("preemptions", "preemptions"),
+            ("preempted_requests", "preempted reqs"),
+            ("queue_s_mean", "queue mean s"),
+            ("queue_s_max", "queue max s"),
+        ],
+        digits=2,
     )
     plot_path = c.RESULTS_DIR / "throughput_vs_cap.png"
     plot(rows, workload, plot_path, args.num_prompts)

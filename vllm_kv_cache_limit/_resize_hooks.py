@@ -31,6 +31,8 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kv_cache_limit import compat, resize
+from vllm_kv_cache_limit._hooks import _wrap
+from vllm_kv_cache_limit.probe import kv_cache_tensors, worker_kv_cache_bytes
 from vllm_kv_cache_limit.resize import Allocation, KVCacheResizeError
 from vllm_kv_cache_limit.sizes import format_size
 
@@ -131,17 +133,8 @@ def patch_block_pool(module: Any) -> None:
     pool = module.BlockPool
     for name in ("free_blocks", "unpin_blocks"):
         if hasattr(pool, name):
-            _optional(f"BlockPool.{name}", functools.partial(_wrap_method, pool, name, _withhold_after))
-    _optional("BlockPool.get_usage", functools.partial(_wrap_method, pool, "get_usage", _usage_under_limit))
-
-
-def _wrap_method(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
-    original = getattr(owner, name)
-    if getattr(original, "__kvcl_wrapped__", False):
-        return
-    wrapper = functools.wraps(original)(make(original))
-    wrapper.__kvcl_wrapped__ = True  # type: ignore[attr-defined]
-    setattr(owner, name, wrapper)
+            _optional(f"BlockPool.{name}", functools.partial(_wrap, pool, name, _withhold_after))
+    _optional("BlockPool.get_usage", functools.partial(_wrap, pool, "get_usage", _usage_under_limit))
 
 
 def _withhold_after(original: Callable) -> Callable:
@@ -339,34 +332,9 @@ def add_worker_method(module: Any) -> None:
     def apply() -> None:
         module.WorkerBase.kv_cache_limit_pages = kv_cache_limit_pages
         module.WorkerBase.kv_cache_limit_rss_fall = kv_cache_limit_rss_fall
-        module.WorkerBase.kv_cache_limit_allocated = kv_cache_limit_allocated
+        module.WorkerBase.kv_cache_limit_allocated = worker_kv_cache_bytes
 
     _optional("WorkerBase", apply)
-
-
-def kv_cache_limit_allocated(self: Any) -> int:
-    """Bytes of this worker's KV cache: its tensors' distinct storages."""
-    storages = {view.untyped_storage().data_ptr(): view.untyped_storage().nbytes() for view in _views(self)}
-    return sum(storages.values())
-
-
-def _views(worker: Any) -> list[Any]:
-    import torch
-
-    found: list[Any] = []
-
-    def walk(item: Any) -> None:
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, (list, tuple)):
-            for sub in item:
-                walk(sub)
-        elif isinstance(item, dict):
-            for sub in item.values():
-                walk(sub)
-
-    walk(worker.model_runner.kv_caches)
-    return found
 
 
 def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -> int:
@@ -376,7 +344,7 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -
     from ``keep`` on (0 where the layout or device does not allow it: CUDA
     memory is limited logically, not returned)."""
     spans = []
-    for view in _views(self):
+    for view in kv_cache_tensors(self):
         if view.device.type != "cpu" or view.dim() < 2 or view.shape[0] != num_blocks:
             return 0
         stride = view.stride(0) * view.element_size()
@@ -488,16 +456,7 @@ def patch_server_arg_parser(module: Any) -> None:
     """Why: the resize routes change a live engine, so they are off unless
     the server is started with ``--enable-kv-cache-resize``. How: wraps
     ``make_arg_parser`` to add the flag. Upstream: none yet."""
-    _optional("make_arg_parser", functools.partial(_wrap_function, module, "make_arg_parser", _add_server_flag))
-
-
-def _wrap_function(module: Any, name: str, make: Callable[[Callable], Callable]) -> None:
-    original = getattr(module, name)
-    if getattr(original, "__kvcl_wrapped__", False):
-        return
-    wrapper = functools.wraps(original)(make(original))
-    wrapper.__kvcl_wrapped__ = True  # type: ignore[attr-defined]
-    setattr(module, name, wrapper)
+    _optional("make_arg_parser", functools.partial(_wrap, module, "make_arg_parser", _add_server_flag))
 
 
 def _add_server_flag(original: Callable) -> Callable:
@@ -523,7 +482,7 @@ def patch_build_app(module: Any) -> None:
     and warn otherwise; the resize routes follow the server's own flag.
     How: wraps ``build_app`` to include the routes when the flag is set.
     Upstream: none yet."""
-    _optional("build_app", functools.partial(_wrap_function, module, "build_app", _add_routes))
+    _optional("build_app", functools.partial(_wrap, module, "build_app", _add_routes))
 
 
 def _add_routes(original: Callable) -> Callable:

@@ -115,12 +115,17 @@ def cap_block_override(override: int | None, blocks_within_cap: int, cap: int) -
     return blocks_within_cap, warning
 
 
+def _cap_words(cap: int) -> str:
+    """How the messages name the cap: the flag, its size, its bytes."""
+    return f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)})"
+
+
 def check_cap_within_total(cap: int, total: int, device: str) -> None:
     """Fail fast, before any weights load: a cap above the device's total
     memory can never be honoured."""
     if cap > total:
         raise KVCacheMaxMemoryError(
-            f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) is larger "
+            f"{_cap_words(cap)} is larger "
             f"than the total memory of the {device} ({total} bytes, {_gib(total)}). "
             f"The cap is per device; choose at most {format_size(total, 'down')}, "
             f"for example {FLAG} {format_size(total // 2, 'down')}."
@@ -165,7 +170,7 @@ def too_small_message(cap: int, needed: int, reserved: int, max_model_len: int, 
         else f"Raise the cap to at least {FLAG} {format_size(smallest, 'up')}."
     )
     return (
-        f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) is too "
+        f"{_cap_words(cap)} is too "
         f"small for one request of max_model_len={max_model_len}, which needs "
         f"{needed} bytes ({_gib(needed)}) of KV cache, plus {reserved} bytes "
         f"that vLLM reserves (one block). {fit}"
@@ -203,7 +208,7 @@ def check_cap_within_instance(cap: int, budget: int, free_at_start: int, non_kv:
         else "Nothing is left for the KV cache; "
     )
     raise KVCacheMaxMemoryError(
-        f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) is larger than "
+        f"{_cap_words(cap)} is larger than "
         f"what the {device} can still give this instance: {_gib(free_at_start)} "
         f"({free_at_start} bytes) was free at start-up (other processes hold the "
         f"rest), and this instance needs {_gib(non_kv)} ({non_kv} bytes) besides "
@@ -235,7 +240,7 @@ def check_cap_fits_before_load(cap: int, weight_bytes: int, workers: int, free: 
         else "The weights alone do not fit in the free memory; free memory held by other processes."
     )
     raise KVCacheMaxMemoryError(
-        f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) cannot fit on "
+        f"{_cap_words(cap)} cannot fit on "
         f"the {device}: {weights}{_gib(free)} ({free} bytes) is free, less than "
         f"{caps} plus the weights ({_gib(need)}, {need} bytes). {fit}"
     )
@@ -245,7 +250,7 @@ def auto_fit_message(cap: int) -> str:
     """The error for ``--max-model-len auto`` when the cap leaves no room for
     a single token."""
     return (
-        f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) is too small "
+        f"{_cap_words(cap)} is too small "
         f"for even one token with --max-model-len auto: vLLM fits the context "
         f"length to the KV cache, and the cap leaves no whole block besides the "
         f"one vLLM reserves. Raise the cap (vllm-kv-plan MODEL --max-model-len L "
@@ -259,7 +264,7 @@ def mamba_blocks_message(cap: int, num_blocks: int, max_num_seqs: int, block_byt
     sequence needs one block."""
     need = max_num_seqs * block_bytes
     return (
-        f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)}) gives "
+        f"{_cap_words(cap)} gives "
         f"{num_blocks} KV cache blocks, fewer than max_num_seqs={max_num_seqs}: "
         f"with full CUDA graphs each decoding sequence of this hybrid (Mamba) "
         f"model needs one block. Pass --max-num-seqs {num_blocks} or less, raise "

@@ -93,17 +93,16 @@ def run_child(
     return ChildRun(result, proc.stdout + proc.stderr, proc.returncode)
 
 
-def kv_cache_storages(worker: Any) -> dict[int, tuple[int, str]]:
-    """The distinct storages behind a worker's ``model_runner.kv_caches``
-    tensors (views of one buffer count once): ``{data_ptr: (bytes, device)}``."""
+def kv_cache_tensors(worker: Any) -> list[Any]:
+    """Every tensor in a worker's ``model_runner.kv_caches`` (a list, tuple
+    or dict of them, nested)."""
     import torch
 
-    storages: dict[int, tuple[int, str]] = {}
+    found: list[Any] = []
 
     def walk(item: Any) -> None:
         if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            storages[storage.data_ptr()] = (storage.nbytes(), str(item.device))
+            found.append(item)
         elif isinstance(item, (list, tuple)):
             for sub in item:
                 walk(sub)
@@ -112,7 +111,14 @@ def kv_cache_storages(worker: Any) -> dict[int, tuple[int, str]]:
                 walk(sub)
 
     walk(worker.model_runner.kv_caches)
-    return storages
+    return found
+
+
+def kv_cache_storages(worker: Any) -> dict[int, tuple[int, str]]:
+    """The distinct storages behind a worker's KV cache tensors (views of one
+    buffer count once): ``{data_ptr: (bytes, device)}``."""
+    storages = (tensor.untyped_storage() for tensor in kv_cache_tensors(worker))
+    return {s.data_ptr(): (s.nbytes(), str(s.device)) for s in storages}
 
 
 def worker_kv_cache_bytes(worker: Any) -> int:

@@ -101,10 +101,18 @@ def test_shrink_and_grow_under_load_lose_no_request(servers: dict[str, str], mod
         before = worker_rpc(base, "rss_bytes")
 
         started = time.monotonic()
-        reply = resize(base, size="16M", mode=mode, timeout_s=120)
+        if mode == "drain":
+            # With no time to wait, the call returns the status so far: the
+            # limit is in force, requests still hold blocks above it.
+            early = resize(base, size="16M", mode=mode, timeout_s=0).json()
+            assert not early["holds"] and early["num_blocks_in_use_above_limit"] > 0, early
+            wait_for(lambda: get_status(base)["holds"], 120, "the drain to hold")
+            shrunk = get_status(base)
+        else:
+            reply = resize(base, size="16M", mode=mode, timeout_s=120)
+            assert reply.status_code == 200, reply.text
+            shrunk = reply.json()
         took = time.monotonic() - started
-        assert reply.status_code == 200, reply.text
-        shrunk = reply.json()
         assert shrunk["holds"], shrunk
         assert shrunk["kv_cache_max_memory"] == 16 * MiB and shrunk["kv_cache_limit_bytes"] <= 16 * MiB
         assert shrunk["num_blocks_limit"] == 16 * MiB // shrunk["bytes_per_block"]
@@ -125,7 +133,10 @@ def test_shrink_and_grow_under_load_lose_no_request(servers: dict[str, str], mod
             time.sleep(0.2)
         assert max(small_running) < full_running, (small_running, full_running)
         assert metric(base, "vllm:kv_cache_limit_bytes") == shrunk["kv_cache_limit_bytes"]
-        assert metric(base, "vllm:kv_cache_usage_perc") <= 1.0
+        # Relative to the limit: under this load the 16M cache is nearly full
+        # (relative to the 48M allocation it could not exceed a third).
+        usage = [metric(base, "vllm:kv_cache_usage_perc") for _ in range(5)]
+        assert max(usage) > 0.5 and max(usage) <= 1.0, usage
 
         grown = resize(base, size="48M", mode=mode)
         assert grown.status_code == 200, grown.text

@@ -43,9 +43,9 @@ def script() -> ModuleType:
 
 def hook_source_files(installed_root: Path) -> set[Path]:
     """The installed vLLM files that the hooks live in: the modules named in
-    HOOKS and PLANNER_APIS and the modules that define what those re-export."""
+    HOOKS, PLANNER_APIS and RESIZE_HOOKS and the modules that define what those re-export."""
     files = set()
-    for hook in (*compat.HOOKS, *compat.PLANNER_APIS):
+    for hook in (*compat.HOOKS, *compat.PLANNER_APIS, *compat.RESIZE_HOOKS):
         for module_name in hook.modules:
             path = installed_root.joinpath(*module_name.split(".")).with_suffix(".py")
             if path.is_file():
@@ -76,7 +76,11 @@ def edit(root: Path, module: str, pattern: str, replacement: str) -> None:
 def defining_module(qualname: str) -> str:
     """The module that defines the function or class ``qualname`` starts
     with (the hooked module may only re-export it)."""
-    hook = next(h for h in (*compat.HOOKS, *compat.PLANNER_APIS) if h.qualname.split(".")[0] == qualname.split(".")[0])
+    hook = next(
+        h
+        for h in (*compat.HOOKS, *compat.PLANNER_APIS, *compat.RESIZE_HOOKS)
+        if h.qualname.split(".")[0] == qualname.split(".")[0]
+    )
     for module_name in hook.modules:
         try:
             module = importlib.import_module(module_name)
