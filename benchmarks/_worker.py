@@ -30,6 +30,7 @@ from vllm_kv_cache_limit.probe import (
     engine_cache_settings,
     enter_engine_process,
     error_result,
+    kv_cache_resident_bytes,
     kv_cache_storages,
     print_result,
 )
@@ -91,8 +92,6 @@ def worker_memory(worker: Any) -> dict[str, Any]:
     storages of ``model_runner.kv_caches``), how many of those bytes are
     resident in RAM (``mincore`` over each storage), the process's resident
     memory and, on CUDA, device memory in use."""
-    import ctypes
-    import mmap
 
     import psutil
     import torch
@@ -110,20 +109,7 @@ def worker_memory(worker: Any) -> dict[str, Any]:
         # Pages of the KV buffer that are resident: does allocating the cache
         # touch its memory (torch.zeros writes every page), or would RSS
         # understate it?
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        page = mmap.PAGESIZE
-        resident = 0
-        for ptr, nbytes in storages.items():
-            start = ptr - ptr % page
-            length = ptr + nbytes - start
-            pages = (length + page - 1) // page
-            vec = (ctypes.c_ubyte * pages)()
-            if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
-                resident = None
-                break
-            resident += min(nbytes, sum(v & 1 for v in vec) * page)
-        out["kv_resident_bytes"] = resident
+        out["kv_resident_bytes"] = kv_cache_resident_bytes(worker)
     if torch.cuda.is_available() and any(d.startswith("cuda") for d in devices):
         free, total = torch.cuda.mem_get_info()
         out["device_used_bytes"] = int(total - free)

@@ -182,6 +182,15 @@ def add_engine_core_methods(module: Any) -> None:
 
 
 def _allocation(engine_core: Any) -> Allocation:
+    """The start-up allocation, read once per engine (it asks the workers)."""
+    pool = _pool(engine_core)
+    allocation: Allocation | None = getattr(pool, "_kvcl_allocation", None)
+    if allocation is None:
+        allocation = pool._kvcl_allocation = _read_allocation(engine_core)
+    return allocation
+
+
+def _read_allocation(engine_core: Any) -> Allocation:
     config = engine_core.scheduler.kv_cache_config
     vllm_config = engine_core.vllm_config
     num_blocks = config.num_blocks

@@ -121,6 +121,32 @@ def kv_cache_storages(worker: Any) -> dict[int, tuple[int, str]]:
     return {s.data_ptr(): (s.nbytes(), str(s.device)) for s in storages}
 
 
+def kv_cache_resident_bytes(worker: Any) -> int | None:
+    """How many bytes of a worker's KV cache storages are resident in RAM
+    (``mincore`` over each; CPU backend, Linux), or None where it cannot be
+    read: allocated bytes are not resident until written, and pages given
+    back with ``madvise`` are not resident until written again."""
+    import ctypes
+    import mmap
+
+    found = kv_cache_storages(worker)
+    if not found or {device for _, device in found.values()} != {"cpu"}:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    resident = 0
+    for ptr, (nbytes, _) in found.items():
+        start = ptr - ptr % page
+        length = ptr + nbytes - start
+        pages = (length + page - 1) // page
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+            return None
+        resident += min(nbytes, sum(v & 1 for v in vec) * page)
+    return resident
+
+
 def worker_kv_cache_bytes(worker: Any) -> int:
     """Bytes of KV cache a worker holds (for ``LLM.collective_rpc``)."""
     return sum(nbytes for nbytes, _ in kv_cache_storages(worker).values())
@@ -137,6 +163,9 @@ class KVCacheProbe:
 
     def rss_bytes(self) -> int:
         return worker_rss_bytes(self)
+
+    def kv_cache_resident_bytes(self) -> int | None:
+        return kv_cache_resident_bytes(self)
 
 
 def worker_rss_bytes(worker: Any) -> int:

@@ -13,9 +13,11 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.conftest import TEST_MAX_MODEL_LEN
 from tests.e2e.conftest import engine_env
 from tests.e2e.test_side_by_side import bind_two_workers
 from tests.e2e.test_startup_failures import DRIVER, GRACE_S, RUN_MARKER, run_watched, wait_until_gone
+from vllm_kv_cache_limit import probe as engine_probe
 
 PLUGIN_DIR = Path(__file__).parent / "fixtures" / "low_memory_plugin"
 MiB = 2**20
@@ -31,7 +33,14 @@ def run_tensor_parallel_2(tiny_model: str, tmp_path: Path, **engine_args: object
     marker = uuid.uuid4().hex
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    spec = {"model": tiny_model, "max_model_len": 512, "seed": 0, "tensor_parallel_size": 2, **engine_args}
+    # vLLM's default utilization: rank 1's gate must see its own low reading.
+    spec = {
+        "model": tiny_model,
+        **engine_probe.BASE_ENGINE_ARGS,
+        "max_model_len": TEST_MAX_MODEL_LEN,
+        "tensor_parallel_size": 2,
+        **engine_args,
+    }
     env = engine_env(
         **{
             RUN_MARKER: marker,

@@ -99,6 +99,8 @@ def test_shrink_and_grow_under_load_lose_no_request(servers: dict[str, str], mod
         wait_for(lambda: metric(base, "vllm:kv_cache_usage_perc") >= 0.9, 120, "the KV cache to fill up")
         full_running = max(running_requests(base) for _ in range(5))
         before = worker_rpc(base, "rss_bytes")
+        resident = worker_rpc(base, "kv_cache_resident_bytes")
+        assert resident >= [0.95 * 48 * MiB], resident  # the premise, measured (mincore)
 
         started = time.monotonic()
         if mode == "drain":
@@ -122,6 +124,8 @@ def test_shrink_and_grow_under_load_lose_no_request(servers: dict[str, str], mod
         # RSS read from outside moves by several MiB for other reasons.
         assert worker_rpc(base, "kv_cache_limit_rss_fall") >= [0.95 * removed], took
         assert worker_rpc(base, "rss_bytes")[0] < before[0], "RSS did not fall at all"
+        # The removed blocks' pages are no longer resident.
+        assert worker_rpc(base, "kv_cache_resident_bytes") <= [resident[0] - 0.95 * removed]
 
         # Once it holds, blocks in use stay under the limit and load goes on.
         small_running = []
@@ -143,6 +147,10 @@ def test_shrink_and_grow_under_load_lose_no_request(servers: dict[str, str], mod
         assert grown.json()["num_blocks_limit"] == start["num_blocks_allocated"], grown.json()
         assert grown.json()["released_bytes"] == 0
         wait_for(lambda: running_requests(base) > max(small_running), 120, "running requests to recover")
+        # The pages come back as the blocks are written again.
+        wait_for(
+            lambda: worker_rpc(base, "kv_cache_resident_bytes") >= [0.95 * 48 * MiB], 120, "the pages to come back"
+        )
     assert load.failures == [], load.failures[:5]
     assert load.completed >= CLIENTS, load.completed
 

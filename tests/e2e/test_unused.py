@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2e.conftest import REPO, engine_env
 from tests.e2e.test_version_drift import KV_SIZE, expected_blocks
+from vllm_kv_cache_limit._resize_hooks import ENABLE_FLAG as RESIZE_FLAG
 from vllm_kv_cache_limit.policy import FLAG
 
 WITHOUT_PLUGIN = {"VLLM_PLUGINS": ""}
@@ -96,10 +97,10 @@ def _split_usage(text: str) -> tuple[list[str], list[str]]:
     return " ".join(lines[:end]).split(), lines[end:]
 
 
-def _without_flag_entry(lines: list[str]) -> list[str]:
-    """``lines`` less the help entry of the flag: its option line and the
+def _without_flag_entry(lines: list[str], flag: str = FLAG) -> list[str]:
+    """``lines`` less the help entry of ``flag``: its option line and the
     deeper-indented lines that follow it."""
-    start = next(i for i, line in enumerate(lines) if line.strip().startswith(FLAG))
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(flag))
     indent = len(lines[start]) - len(lines[start].lstrip())
     end = start + 1
     while end < len(lines) and lines[end].strip() and len(lines[end]) - len(lines[end].lstrip()) > indent:
@@ -116,8 +117,11 @@ def test_cli_help_of_every_other_option_is_unchanged() -> None:
     flag_usage = ["[" + FLAG, "SIZE]"]
     at = usage_on.index(flag_usage[0])
     assert usage_on[at : at + 2] == flag_usage
-    assert usage_on[:at] + usage_on[at + 2 :] == usage_off
-    rest_on = _without_flag_entry(rest_on)
-    assert FLAG not in "\n".join(rest_on)
+    usage_on = usage_on[:at] + usage_on[at + 2 :]
+    # The server's own flag for run-time resize (off by default).
+    usage_on.remove(f"[{RESIZE_FLAG}]")
+    assert usage_on == usage_off
+    rest_on = _without_flag_entry(_without_flag_entry(rest_on), RESIZE_FLAG)
+    assert FLAG not in "\n".join(rest_on) and RESIZE_FLAG not in "\n".join(rest_on)
     diff = "\n".join(difflib.unified_diff(rest_off, rest_on, "without plugin", "with plugin", lineterm=""))
     assert rest_on == rest_off, diff[:4000]
