@@ -20,21 +20,23 @@ from vllm_kv_cache_limit.policy import FLAG
 WITHOUT_PLUGIN = {"VLLM_PLUGINS": ""}
 PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4"]
 # "(EngineCore pid=123) WARNING 11-30 03:38:00 [file.py:12] message"
-_LOG_PREFIX = re.compile(
-    r"^(?:\((?P<proc>[A-Za-z_]+)[^)]*\) )?(?P<level>WARNING|ERROR) \S+ \S+ \[[^\]]+\] (?P<msg>.*)$"
-)
+# Searched, not matched at the line start: processes share one stderr, and
+# another process's partial line can come first.
+_LOG_PREFIX = re.compile(r"(?:\((?P<proc>[A-Za-z_]+)[^)]*\) )?(?P<level>WARNING|ERROR) \S+ \S+ \[[^\]]+\] (?P<msg>.*)$")
 
 
 def warnings_of(log: str) -> list[str]:
-    """The distinct WARNING and ERROR messages of vLLM, without pids, times
-    and line numbers. Distinct, because how often a process repeats one
-    varies run to run (processes share one stderr); shutdown messages ("force
-    killing remaining process ...") are left out for the same reason."""
+    """The distinct WARNING and ERROR messages of vLLM, without pids, times,
+    line numbers and the process tag. Distinct, because how often a process
+    repeats one varies run to run; without the tag, because processes share
+    one stderr and a tag can land on another process's line (vLLM 0.29 once
+    showed a worker's warning untagged in one run of two); shutdown messages
+    ("force killing remaining process ...") are left out for the same reason."""
     found = []
     for line in log.splitlines():
-        match = _LOG_PREFIX.match(line)
+        match = _LOG_PREFIX.search(line)
         if match and not match["msg"].startswith("[shutdown]"):
-            found.append(f"{match['proc'] or ''} {match['level']} {match['msg']}")
+            found.append(f"{match['level']} {match['msg']}")
     return sorted(set(found))
 
 
