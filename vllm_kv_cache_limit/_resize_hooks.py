@@ -234,7 +234,7 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
     if new < old:
         _shrink(self, pool, state)
     elif new > old:
-        _grow(self, pool, state, old)
+        _grow(self, pool, state)
     logger.info(
         "KV cache limit set to %s per worker (%d of %d blocks, %s), mode %s; was %d blocks.",
         format_size(int(nbytes)),
@@ -282,7 +282,7 @@ def _preempt_above(scheduler: Any, limit: int) -> None:
         logger.info("Preempted %d running request(s) holding blocks above the new KV cache limit.", len(victims))
 
 
-def _grow(engine_core: Any, pool: Any, state: _Limit, old: int) -> None:
+def _grow(engine_core: Any, pool: Any, state: _Limit) -> None:
     back = sorted(i for i in state.withheld if i < state.limit)
     pool.free_block_queue.append_n([pool.blocks[i] for i in back])
     state.withheld.difference_update(back)

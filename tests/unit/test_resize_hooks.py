@@ -62,6 +62,6 @@ def test_grow_gives_withheld_blocks_back(pool) -> None:
     state = limit_of(pool, 4)
     state.withhold(pool, pool.blocks[4:])
     state.limit = 7
-    _resize_hooks._grow(None, pool, state, 4)
+    _resize_hooks._grow(None, pool, state)
     assert state.withheld == {7, 8, 9}
     assert sorted(b.block_id for b in pool.get_new_blocks(6)) == [1, 2, 3, 4, 5, 6]
