@@ -139,7 +139,8 @@ def wait_until_gone(marker: str, seen: dict[int, tuple[float, str]]) -> tuple[li
 
 
 def run_watched(command: list[str], env: dict[str, str], log_path: Path) -> tuple[int, dict[int, tuple[float, str]]]:
-    """Run ``command`` to its end, sampling its descendants as it runs."""
+    """Run ``command`` to its end, sampling its descendants as it runs: each
+    one's start time and its latest command line."""
     seen: dict[int, tuple[float, str]] = {}
     with open(log_path, "w") as log:
         proc = psutil.Popen(command, stdout=log, stderr=log, env=env, cwd=REPO, start_new_session=True)
@@ -151,7 +152,9 @@ def run_watched(command: list[str], env: dict[str, str], log_path: Path) -> tupl
             try:
                 for child in proc.children(recursive=True):
                     try:
-                        seen.setdefault(child.pid, (child.create_time(), " ".join(child.cmdline())[:120]))
+                        # Each sample replaces the last: a child caught between
+                        # fork and exec still shows its parent's command line.
+                        seen[child.pid] = (child.create_time(), " ".join(child.cmdline())[:120])
                     except psutil.Error:
                         pass
             except psutil.NoSuchProcess:
