@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "KVCacheMaxMemoryError",
     "KVCacheResizeError",
+    "KVCacheResizeFailed",
     "__version__",
     "async_kv_cache_limit_status",
     "async_set_kv_cache_max_memory",
@@ -29,6 +30,7 @@ _LAZY = {
     "format_size": "vllm_kv_cache_limit.sizes",
     "parse_size": "vllm_kv_cache_limit.sizes",
     "KVCacheResizeError": "vllm_kv_cache_limit.resize",
+    "KVCacheResizeFailed": "vllm_kv_cache_limit.resize",
     "set_kv_cache_max_memory": "vllm_kv_cache_limit._resize_hooks",
     "kv_cache_limit_status": "vllm_kv_cache_limit._resize_hooks",
     "async_set_kv_cache_max_memory": "vllm_kv_cache_limit._resize_hooks",

@@ -33,7 +33,7 @@ from vllm.logger import init_logger
 from vllm_kv_cache_limit import compat, resize
 from vllm_kv_cache_limit._hooks import _wrap
 from vllm_kv_cache_limit.probe import kv_cache_tensors, worker_kv_cache_bytes
-from vllm_kv_cache_limit.resize import Allocation, KVCacheResizeError
+from vllm_kv_cache_limit.resize import Allocation, KVCacheResizeError, KVCacheResizeFailed
 from vllm_kv_cache_limit.sizes import format_size
 
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -230,11 +230,29 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
         state = _Limit(allocation=allocation, limit=allocation.num_blocks, requested=allocation.nbytes)
         pool._kvcl_limit = state
     old = state.limit
+    before = (state.limit, state.requested, state.mode)
     state.limit, state.requested, state.mode = new, int(nbytes), mode
-    if new < old:
-        _shrink(self, pool, state)
-    elif new > old:
-        _grow(self, pool, state)
+    try:
+        if new < old:
+            _shrink(self, pool, state)
+        elif new > old:
+            _grow(self, pool, state)
+    except Exception as exc:
+        # A failure inside vLLM (preempting, the workers' reply) must not
+        # leave a half-applied limit: the old one is restored. Requests
+        # preempted before the failure are recomputed, as any preempted one.
+        state.limit, state.requested, state.mode = before
+        _settle(pool, state)
+        logger.exception(
+            "Changing the KV cache limit to %s failed; it stays at %d blocks.", format_size(int(nbytes)), old
+        )
+        return {
+            "error": (
+                f"Changing the KV cache limit to {format_size(int(nbytes))} failed inside vLLM "
+                f"({type(exc).__name__}: {exc}); the limit stays at {format_size(before[1])} ({old} blocks)."
+            ),
+            "failed": True,
+        }
     logger.info(
         "KV cache limit set to %s per worker (%d of %d blocks, %s), mode %s; was %d blocks.",
         format_size(int(nbytes)),
@@ -282,10 +300,23 @@ def _preempt_above(scheduler: Any, limit: int) -> None:
         logger.info("Preempted %d running request(s) holding blocks above the new KV cache limit.", len(victims))
 
 
-def _grow(engine_core: Any, pool: Any, state: _Limit) -> None:
+def _give_back(pool: Any, state: _Limit) -> None:
+    """Queue the withheld blocks below the limit again."""
     back = sorted(i for i in state.withheld if i < state.limit)
     pool.free_block_queue.append_n([pool.blocks[i] for i in back])
     state.withheld.difference_update(back)
+
+
+def _settle(pool: Any, state: _Limit) -> None:
+    """Make the free queue match ``state.limit`` again (after a failed
+    change): withheld blocks below it queued, free blocks at or above it
+    withheld. Touches only free blocks, so it cannot fail on a request."""
+    _give_back(pool, state)
+    state.withhold(pool, pool.blocks[state.limit :])
+
+
+def _grow(engine_core: Any, pool: Any, state: _Limit) -> None:
+    _give_back(pool, state)
     if state.released_from is not None and state.released_from < state.limit:
         state.released_bytes = _worker_pages(engine_core, state.limit, state.allocation.num_blocks, release=False)
         state.released_from = state.limit if state.released_bytes else None
@@ -412,6 +443,8 @@ async def _call_async(engine: Any, method: str, *args: Any) -> dict[str, Any]:
 
 def _checked(result: Any) -> dict[str, Any]:
     if isinstance(result, dict) and "error" in result:
+        if result.get("failed"):
+            raise KVCacheResizeFailed(result["error"])
         raise KVCacheResizeError(result["error"])
     return dict(result)
 
@@ -585,6 +618,8 @@ def _router(args: Any) -> Any:
                     body.get("timeout_s", 60.0),
                 )
             )
+        except KVCacheResizeFailed as exc:
+            return _error(500, str(exc), "InternalServerError")
         except KVCacheResizeError as exc:
             return _error(400, str(exc), "BadRequestError")
 

@@ -30,6 +30,11 @@ class KVCacheResizeError(KVCacheMaxMemoryError):
     """A run-time limit that cannot be applied; the engine is left as it was."""
 
 
+class KVCacheResizeFailed(KVCacheResizeError):
+    """A change that failed inside vLLM (not the caller's input); the old
+    limit was restored."""
+
+
 @dataclass(frozen=True)
 class Allocation:
     """The KV cache one worker allocated at start-up, as the scheduler sees it."""

@@ -65,3 +65,60 @@ def test_grow_gives_withheld_blocks_back(pool) -> None:
     _resize_hooks._grow(None, pool, state)
     assert state.withheld == {7, 8, 9}
     assert sorted(b.block_id for b in pool.get_new_blocks(6)) == [1, 2, 3, 4, 5, 6]
+
+
+class _Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+class _FailingEngineCore:
+    """An engine core with vLLM's real block pool, one running request
+    holding blocks above the new limit, and a scheduler whose preemption
+    raises (as a vLLM bug or an unexpected request state would)."""
+
+    def __init__(self, pool, held: list) -> None:
+        from types import SimpleNamespace
+
+        request = SimpleNamespace(request_id="r0")
+        ids = [b.block_id for b in held]
+        manager = SimpleNamespace(block_pool=pool, get_blocks=lambda request_id: _Blocks(ids))
+
+        def preempt(*args, **kwargs):
+            raise RuntimeError("preemption broke")
+
+        self.scheduler = SimpleNamespace(
+            kv_cache_manager=manager,
+            running=[request],
+            prev_step_scheduled_req_ids=set(),
+            _preempt_request=preempt,
+        )
+        self.model_executor = SimpleNamespace(collective_rpc=lambda *args, **kwargs: [0])
+
+
+def test_a_change_that_fails_inside_vllm_is_rolled_back(pool) -> None:
+    from vllm_kv_cache_limit import _resize_hooks
+    from vllm_kv_cache_limit.resize import KVCacheResizeFailed
+
+    pool._kvcl_allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
+    held = pool.get_new_blocks(BLOCKS - 1)
+    pool.free_blocks([b for b in held if b.block_id not in (6, 7)])  # the request keeps blocks 6 and 7
+    free_before = sorted(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
+    assert free_before == [1, 2, 3, 4, 5, 8, 9]
+    core = _FailingEngineCore(pool, [pool.blocks[6], pool.blocks[7]])
+
+    result = _resize_hooks._kv_cache_limit_set(core, 4 * 1024, "preempt")
+
+    assert result.get("failed") is True and "preemption broke" in result["error"], result
+    assert "stays at 10KiB (10 blocks)" in result["error"], result["error"]
+    with pytest.raises(KVCacheResizeFailed, match="preemption broke"):
+        _resize_hooks._checked(result)
+    state = pool._kvcl_limit
+    assert (state.limit, state.requested, state.mode, state.withheld) == (BLOCKS, BLOCKS * 1024, "drain", set())
+    assert sorted(b.block_id for b in pool.free_block_queue.get_all_free_blocks()) == free_before
+    # And the engine resizes normally afterwards (drain: the request keeps its blocks).
+    status = _resize_hooks._kv_cache_limit_set(core, 4 * 1024, "drain")
+    assert "error" not in status and status["num_blocks_limit"] == 4 and status["num_blocks_in_use_above_limit"] == 2
