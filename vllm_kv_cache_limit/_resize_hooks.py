@@ -438,7 +438,15 @@ def _call(engine: Any, method: str, *args: Any) -> dict[str, Any]:
 
 
 async def _call_async(engine: Any, method: str, *args: Any) -> dict[str, Any]:
-    return _checked(await _client(engine).call_utility_async(method, *args))
+    client = _client(engine)
+    engines = list(getattr(client, "core_engines", None) or ())
+    if len(engines) < 2 or not hasattr(client, "_call_utility_async"):
+        return _checked(await client.call_utility_async(method, *args))
+    # Data parallel: every engine core has its own scheduler and workers, and
+    # vLLM's client sends a utility call to one of them (or to all, keeping
+    # the first reply). Each gets the call, and the replies are merged.
+    replies = await asyncio.gather(*(client._call_utility_async(method, *args, engine=e) for e in engines))
+    return resize.merged([_checked(reply) for reply in replies])
 
 
 def _checked(result: Any) -> dict[str, Any]:

@@ -232,6 +232,8 @@ class Server:
     """Seconds from the common launch until /health answered; None if it never did."""
     returncode: int | None = None
     """Exit status when it exited before it was ready."""
+    pid: int | None = None
+    """The server's process id (its engine cores and workers are below it)."""
 
 
 @contextlib.contextmanager
@@ -271,7 +273,7 @@ def api_servers(
                     cwd=cwd,
                     start_new_session=True,
                 )
-            procs[name] = (proc, Server(f"http://127.0.0.1:{port}", log_path))
+            procs[name] = (proc, Server(f"http://127.0.0.1:{port}", log_path, pid=proc.pid))
         pending = set(procs)
         while pending and time.monotonic() < launched + timeout:
             for name in sorted(pending):

@@ -160,3 +160,15 @@ def status(
         "mode": mode,
         "released_bytes": released_bytes,
     }
+
+
+def merged(statuses: list[dict[str, Any]]) -> dict[str, Any]:
+    """One status for a data-parallel engine from its engine cores' (in rank
+    order): the first one's fields, ``holds`` only when every limit holds,
+    ``released_bytes`` summed, and each engine's status under ``engines``."""
+    result = dict(statuses[0])
+    result["holds"] = all(s["holds"] for s in statuses)
+    result["released_bytes"] = sum(s["released_bytes"] for s in statuses)
+    result["num_blocks_in_use_above_limit"] = max(s["num_blocks_in_use_above_limit"] for s in statuses)
+    result["engines"] = [dict(s) for s in statuses]
+    return result

@@ -3,7 +3,8 @@ load is shrunk to 16M and grown back in each mode, losing no request; the
 pages of the removed blocks go back to the OS; refusals change nothing; the
 routes exist only with --enable-kv-cache-resize and honour --api-key; greedy
 outputs with prefix caching stay the same across a resize, also for a
-sliding-window (hybrid) model."""
+sliding-window (hybrid) model and with vLLM's in-process client; every engine
+core of a data-parallel server takes the limit."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import requests
 
-from tests.e2e.conftest import api_servers, engine_env, server_args
+from tests.conftest import REPO
+from tests.e2e.conftest import ENGINE_TIMEOUT_S, api_servers, complete, engine_env, server_args
+from vllm_kv_cache_limit import probe
 from vllm_kv_cache_limit.probe import CompletionLoad, metric
 from vllm_kv_cache_limit.tiny_model import build_tiny_model
 
@@ -224,15 +228,22 @@ if __name__ == "__main__":
     result["small"] = texts()
     result["grown"] = kvl.set_kv_cache_max_memory(llm, 48 * 2**20)
     result["after"] = texts()
+    result["client"] = type(llm.llm_engine.engine_core).__name__
     print("RESULT " + json.dumps(result), flush=True)
 """
 
 
 @pytest.mark.parametrize(
-    ("arch", "mode"), [pytest.param("llama", "preempt", marks=pytest.mark.smoke), ("gemma2", "drain")]
+    ("arch", "mode", "in_process"),
+    [
+        pytest.param("llama", "preempt", False, marks=pytest.mark.smoke),
+        ("gemma2", "drain", False),
+        # vLLM's in-process client: the engine core lives in the LLM's process.
+        ("llama", "preempt", True),
+    ],
 )
 def test_outputs_unchanged_across_a_resize_with_prefix_caching(
-    tiny_model: str, tmp_path: Path, arch: str, mode: str
+    tiny_model: str, tmp_path: Path, arch: str, mode: str, in_process: bool
 ) -> None:
     import json
     import subprocess
@@ -243,7 +254,7 @@ def test_outputs_unchanged_across_a_resize_with_prefix_caching(
     driver.write_text(DRIVER)
     run = subprocess.run(
         [sys.executable, str(driver), json.dumps({"model": model, "mode": mode})],
-        env=engine_env(),
+        env=engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1"),
         capture_output=True,
         text=True,
         timeout=600,
@@ -260,3 +271,60 @@ def test_outputs_unchanged_across_a_resize_with_prefix_caching(
     assert result["small"] == result["before"]
     assert result["after"] == result["before"]
     assert result["grown"]["num_blocks_limit"] == result["start"]["num_blocks_allocated"]
+    assert result["client"] == ("InprocClient" if in_process else "SyncMPClient"), result["client"]
+
+
+# --- Data parallel: every engine core takes the limit ------------------------
+
+
+def worker_processes(server_pid: int) -> list[psutil.Process]:
+    """The server's vLLM workers (one per engine core here)."""
+    found = []
+    for child in psutil.Process(server_pid).children(recursive=True):
+        try:
+            if " ".join(child.cmdline()).startswith("VLLM::Worker"):
+                found.append(child)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_each_data_parallel_engine_takes_the_limit(tiny_model: str, tmp_path: Path) -> None:
+    spec = {
+        "dp": (
+            server_args(tiny_model, "16M", None, "--data-parallel-size", "2", "--enable-kv-cache-resize"),
+            engine_env(),
+        )
+    }
+    # probe's launcher: its Server carries the pid, below which the workers are.
+    with probe.api_servers(spec, tmp_path, ENGINE_TIMEOUT_S, REPO) as running:
+        server = running["dp"]
+        assert server.ready_s is not None and server.pid, server.log_path.read_text()[-4000:]
+        workers = worker_processes(server.pid)
+        assert len(workers) == 2, [w.cmdline() for w in workers]
+        start = requests.get(server.base + ROUTE, timeout=60).json()
+        assert [e["kv_cache_allocated_bytes"] for e in start["engines"]] == [16 * MiB, 16 * MiB], start
+        rss = [w.memory_info().rss for w in workers]
+
+        reply = requests.post(server.base + ROUTE, json={"size": "8M", "mode": "preempt"}, timeout=180)
+        assert reply.status_code == 200, reply.text
+        shrunk = reply.json()
+        assert shrunk["holds"] and len(shrunk["engines"]) == 2, shrunk
+        removed = 16 * MiB - shrunk["kv_cache_limit_bytes"]
+        for engine in shrunk["engines"]:
+            assert engine["holds"] and engine["kv_cache_limit_bytes"] <= 8 * MiB, engine
+            assert engine["released_bytes"] >= 0.95 * removed, engine
+        assert shrunk["released_bytes"] == sum(e["released_bytes"] for e in shrunk["engines"])
+        # Each engine's worker gave its pages back (the KV cache was written
+        # at start-up, so its pages were resident).
+        fell = [before - w.memory_info().rss for before, w in zip(rss, workers, strict=True)]
+        assert min(fell) >= 0.9 * removed, fell
+        # Requests spread over both engines still complete.
+        for i in range(8):
+            assert len(complete(server.base, f"request {i}")["choices"][0]["text"]) > 0
+
+        grown = requests.post(server.base + ROUTE, json={"size": "16M"}, timeout=180).json()
+        assert [e["num_blocks_limit"] for e in grown["engines"]] == [
+            e["num_blocks_allocated"] for e in start["engines"]
+        ]
+        assert grown["released_bytes"] == 0, grown

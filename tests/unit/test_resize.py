@@ -9,6 +9,7 @@ from vllm_kv_cache_limit.resize import (
     KVCacheResizeError,
     block_spans,
     limit_for,
+    merged,
     page_ranges,
     parse_mode,
     parse_target,
@@ -83,3 +84,14 @@ def test_status_holds_only_without_blocks_above_the_limit() -> None:
     held = status(ALLOC, 128, 16 * MiB, "drain", in_use=10, in_use_above=0, released_bytes=32 * MiB)
     assert held["holds"] and held["kv_cache_limit_bytes"] == 16 * MiB and held["num_blocks_allocated"] == 384
     assert not status(ALLOC, 128, 16 * MiB, "drain", 10, 3, 0)["holds"]
+
+
+def test_data_parallel_status_holds_only_when_every_engine_holds() -> None:
+    first = status(ALLOC, 128, 16 * MiB, "drain", 40, 0, 32 * MiB)
+    second = status(ALLOC, 128, 16 * MiB, "drain", 90, 3, 0)
+    result = merged([first, second])
+    assert result["holds"] is False and result["num_blocks_in_use_above_limit"] == 3
+    assert result["released_bytes"] == 32 * MiB
+    assert result["num_blocks_in_use"] == 40  # the first engine's own fields
+    assert result["engines"] == [first, second] and "engines" not in first
+    assert merged([first, first])["holds"] is True
