@@ -60,6 +60,11 @@ def main() -> None:
             run = c.run_engine(spec, c.bench_env(), log_name=f"memory-{text}-{cycle}")
             c.check_ok(run, f"engine with cap {text}")
             worker = run.result["workers"][0]
+            in_use = memory_in_use(worker, args.device)
+            print(
+                f"cycle {cycle} cap {text}: KV {c.mib(worker['kv_cache_bytes']):.1f} MiB, in use {c.mib(in_use):.1f} MiB",
+                flush=True,
+            )
             raw.append(
                 {
                     "cycle": cycle,
@@ -67,15 +72,10 @@ def main() -> None:
                     "cap_bytes": cap,
                     "kv_bytes": worker["kv_cache_bytes"],
                     "kv_resident_bytes": worker.get("kv_resident_bytes"),
-                    "in_use_bytes": memory_in_use(worker, args.device),
+                    "in_use_bytes": in_use,
                     "tree_rss_bytes": run.result.get("tree_rss_bytes"),
                     "budget_gib_logged": logged_budget_gib(run.log),
                 }
-            )
-            print(
-                f"cycle {cycle} cap {text}: KV {c.mib(worker['kv_cache_bytes']):.1f} MiB, "
-                f"in use {c.mib(raw[-1]['in_use_bytes']):.1f} MiB",
-                flush=True,
             )
 
     rows = []

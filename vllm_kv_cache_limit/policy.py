@@ -120,15 +120,21 @@ def _cap_words(cap: int) -> str:
     return f"{FLAG} {format_size(cap, 'up')} ({cap} bytes, {_gib(cap)})"
 
 
+def _larger_than(subject: str, memory: str, advice: str) -> KVCacheMaxMemoryError:
+    """The error for a size above what the device has: ``memory`` names that
+    memory with its reading, ``advice`` says what would work."""
+    return KVCacheMaxMemoryError(f"{subject} is larger than the {memory}. {advice}")
+
+
 def check_cap_within_total(cap: int, total: int, device: str) -> None:
     """Fail fast, before any weights load: a cap above the device's total
     memory can never be honoured."""
     if cap > total:
-        raise KVCacheMaxMemoryError(
-            f"{_cap_words(cap)} is larger "
-            f"than the total memory of the {device} ({total} bytes, {_gib(total)}). "
+        raise _larger_than(
+            _cap_words(cap),
+            f"total memory of the {device} ({total} bytes, {_gib(total)})",
             f"The cap is per device; choose at most {format_size(total, 'down')}, "
-            f"for example {FLAG} {format_size(total // 2, 'down')}."
+            f"for example {FLAG} {format_size(total // 2, 'down')}.",
         )
 
 
@@ -145,11 +151,10 @@ def check_explicit_size_within_free(size: int, cap: int, free: int, total: int, 
         if size == cap
         else f"--kv-cache-memory-bytes {size} (under {FLAG} {format_size(cap, 'up')})"
     )
-    raise KVCacheMaxMemoryError(
-        f"The KV cache of {size} bytes ({_gib(size)}) set by {source} is larger "
-        f"than the free memory of the {device} after loading the model: "
-        f"{_gib(free)} free of {_gib(total)} total. Free memory on the device, "
-        f"or choose a size that fits, for example {FLAG} {format_size(free, 'down')}."
+    raise _larger_than(
+        f"The KV cache of {size} bytes ({_gib(size)}) set by {source}",
+        f"free memory of the {device} after loading the model: {_gib(free)} free of {_gib(total)} total",
+        f"Free memory on the device, or choose a size that fits, for example {FLAG} {format_size(free, 'down')}.",
     )
 
 
