@@ -122,3 +122,47 @@ def test_a_change_that_fails_inside_vllm_is_rolled_back(pool) -> None:
     # And the engine resizes normally afterwards (drain: the request keeps its blocks).
     status = _resize_hooks._kv_cache_limit_set(core, 4 * 1024, "drain")
     assert "error" not in status and status["num_blocks_limit"] == 4 and status["num_blocks_in_use_above_limit"] == 2
+
+
+class _CoreClient:
+    """vLLM's engine-core client as the routes see it: one utility call, one reply."""
+
+    def __init__(self, reply: dict) -> None:
+        self.reply = reply
+        self.calls: list[tuple] = []
+
+    async def call_utility_async(self, method: str, *args):
+        self.calls.append((method, *args))
+        return self.reply
+
+
+@pytest.mark.parametrize(
+    ("reply", "code", "kind"),
+    [
+        (
+            {"error": "Changing the KV cache limit to 4KiB failed inside vLLM", "failed": True},
+            500,
+            "InternalServerError",
+        ),
+        ({"error": "Cannot lower the KV cache limit to 4KiB"}, 400, "BadRequestError"),
+    ],
+)
+def test_route_answers_a_failure_inside_vllm_with_500_and_bad_input_with_400(reply, code: int, kind: str) -> None:
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_kv_cache_limit import _resize_hooks
+
+    register()
+    app = FastAPI()
+    app.include_router(_resize_hooks._router(SimpleNamespace(api_key=["k"], kv_cache_max_memory=None)))
+    core = _CoreClient(reply)
+    app.state.engine_client = SimpleNamespace(engine_core=core)
+    answer = TestClient(app).post(
+        _resize_hooks.ROUTE, json={"size": "4K", "mode": "preempt"}, headers={"Authorization": "Bearer k"}
+    )
+    assert answer.status_code == code, answer.text
+    assert answer.json()["error"] == {"message": reply["error"], "type": kind, "param": None, "code": code}
+    assert core.calls == [("kv_cache_limit_set", 4096, "preempt")]
