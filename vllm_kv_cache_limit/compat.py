@@ -230,6 +230,10 @@ RESIZE_HOOKS: tuple[Hook, ...] = (
         "AuthenticationMiddleware.verify_token",
         ("self", "headers"),
     ),
+    # Data parallel: one utility call to each engine core (vLLM's own call
+    # reaches one, or all keeping the first reply). Where it is missing, a
+    # resize reaches the engine core vLLM's call_utility_async picks.
+    Hook(("vllm.v1.engine.core_client",), "AsyncMPClient._call_utility_async", ("self", "method")),
 )
 """What run-time resizing (``_resize_hooks``) wraps or calls. Optional: where
 one does not fit, resizing refuses naming it and start-up is not affected,
