@@ -229,8 +229,7 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
     if state is None:
         state = _Limit(allocation=allocation, limit=allocation.num_blocks, requested=allocation.nbytes)
         pool._kvcl_limit = state
-    old = state.limit
-    before = (state.limit, state.requested, state.mode)
+    old, old_requested, old_mode = state.limit, state.requested, state.mode
     state.limit, state.requested, state.mode = new, int(nbytes), mode
     try:
         if new < old:
@@ -241,7 +240,7 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
         # A failure inside vLLM (preempting, the workers' reply) must not
         # leave a half-applied limit: the old one is restored. Requests
         # preempted before the failure are recomputed, as any preempted one.
-        state.limit, state.requested, state.mode = before
+        state.limit, state.requested, state.mode = old, old_requested, old_mode
         _settle(pool, state)
         logger.exception(
             "Changing the KV cache limit to %s failed; it stays at %d blocks.", format_size(int(nbytes)), old
@@ -249,7 +248,7 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
         return {
             "error": (
                 f"Changing the KV cache limit to {format_size(int(nbytes))} failed inside vLLM "
-                f"({type(exc).__name__}: {exc}); the limit stays at {format_size(before[1])} ({old} blocks)."
+                f"({type(exc).__name__}: {exc}); the limit stays at {format_size(old_requested)} ({old} blocks)."
             ),
             "failed": True,
         }

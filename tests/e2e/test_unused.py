@@ -19,13 +19,18 @@ from vllm_kv_cache_limit.policy import FLAG
 
 WITHOUT_PLUGIN = {"VLLM_PLUGINS": ""}
 PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4"]
-# "(EngineCore pid=123) WARNING 11-30 03:38:00 [file.py:12] message"
+
+
+def _head(levels: str) -> str:
+    """The head of a vLLM log record at one of ``levels``:
+    "(EngineCore pid=123) WARNING 11-30 03:38:00 [file.py:12] "."""
+    return rf"(?:\([A-Za-z_]+[^)]*\) )?(?P<level>{levels}) \S+ \S+ \[[^\]]+\] "
+
+
 # Searched, not matched at the line start: processes share one stderr, and
 # another process's partial line can come first.
-_LOG_PREFIX = re.compile(r"(?:\((?P<proc>[A-Za-z_]+)[^)]*\) )?(?P<level>WARNING|ERROR) \S+ \S+ \[[^\]]+\] (?P<msg>.*)$")
-
-
-_LOG_RECORD = re.compile(r"^(?:\([A-Za-z_]+[^)]*\) )?(?:DEBUG|INFO|WARNING|ERROR) \S+ \S+ \[[^\]]+\] ")
+_LOG_PREFIX = re.compile(_head("WARNING|ERROR") + r"(?P<msg>.*)$")
+_LOG_RECORD = re.compile("^" + _head("DEBUG|INFO|WARNING|ERROR"))
 
 
 def program_output(stdout: str) -> list[str]:
