@@ -444,12 +444,42 @@ async def _call_async(engine: Any, method: str, *args: Any) -> dict[str, Any]:
     # Data parallel: every engine core has its own scheduler and workers, and
     # vLLM's client sends a utility call to one of them (or to all, keeping
     # the first reply). Each gets the call, and the replies are merged.
-    replies = await asyncio.gather(*(client._call_utility_async(method, *args, engine=e) for e in engines))
+
+    async def each(method: str, *args: Any) -> list[Any]:
+        return await asyncio.gather(*(client._call_utility_async(method, *args, engine=e) for e in engines))
+
+    before = [_checked(s) for s in await each("kv_cache_limit_status")] if method == "kv_cache_limit_set" else []
+    replies = await each(method, *args)
+    restore = resize.restore_targets(before, replies) if before else []
+    if restore:
+        # Refused or failed on some engine cores: those that took the change
+        # go back to the limit they had, so the engine keeps one limit.
+        await asyncio.gather(*(_restore(client, engines, *target) for target in restore))
+        refused = [index for index, reply in enumerate(replies) if resize.is_error(reply)]
+        worst = max((replies[index] for index in refused), key=lambda reply: bool(reply.get("failed")))
+        _checked(
+            {
+                **worst,
+                "error": f"{worst['error']} (data-parallel engine cores {refused}; "
+                "the others were set back to the limit they had)",
+            }
+        )
     return resize.merged([_checked(reply) for reply in replies])
 
 
+async def _restore(client: Any, engines: list[Any], index: int, size: int, mode: str) -> None:
+    reply = await client._call_utility_async("kv_cache_limit_set", size, mode, engine=engines[index])
+    if resize.is_error(reply):
+        logger.warning(
+            "Data-parallel engine core %d took the KV cache limit change and could not be set back to %s: %s",
+            index,
+            format_size(size),
+            reply["error"],
+        )
+
+
 def _checked(result: Any) -> dict[str, Any]:
-    if isinstance(result, dict) and "error" in result:
+    if resize.is_error(result):
         if result.get("failed"):
             raise KVCacheResizeFailed(result["error"])
         raise KVCacheResizeError(result["error"])

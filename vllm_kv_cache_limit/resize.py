@@ -172,3 +172,23 @@ def merged(statuses: list[dict[str, Any]]) -> dict[str, Any]:
     result["num_blocks_in_use_above_limit"] = max(s["num_blocks_in_use_above_limit"] for s in statuses)
     result["engines"] = [dict(s) for s in statuses]
     return result
+
+
+def restore_targets(before: list[dict[str, Any]], replies: list[Any]) -> list[tuple[int, int, str]]:
+    """After a change that some engine cores of a data-parallel engine refused
+    or failed: ``(index, size, mode)`` of each engine core that took it, to
+    set back to the limit it had (``before``), so that every engine core keeps
+    one limit. Empty when every engine core took the change, or none did."""
+    if not any(is_error(reply) for reply in replies):
+        return []
+    return [
+        (index, old["kv_cache_max_memory"], old["mode"])
+        for index, (old, reply) in enumerate(zip(before, replies, strict=True))
+        if not is_error(reply)
+    ]
+
+
+def is_error(reply: Any) -> bool:
+    """Whether an engine core's reply to a resize call is a refusal or a
+    failure (``{"error": ...}``) rather than a status."""
+    return isinstance(reply, dict) and "error" in reply

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -27,6 +28,16 @@ BASE_ENGINE_ARGS: dict[str, Any] = {
 }
 
 engine_env = engine_probe.engine_env
+
+FIXTURES = Path(__file__).parent / "fixtures"
+"""Test-only vLLM plugins, each a folder with a ``.dist-info`` naming its
+entry point; never installed, found through ``PYTHONPATH``."""
+
+
+def with_plugins(*folders: Path | str) -> str:
+    """``PYTHONPATH`` with ``folders`` (test-only plugins) before this
+    process's own, for an engine in a child process."""
+    return os.pathsep.join(filter(None, [*map(str, folders), os.environ.get("PYTHONPATH")]))
 
 
 def run_probe(spec: dict[str, Any], env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:

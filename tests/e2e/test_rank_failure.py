@@ -7,19 +7,18 @@ test-only vLLM plugin registered through an entry point on PYTHONPATH."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import uuid
 from pathlib import Path
 
 from tests.conftest import TEST_MAX_MODEL_LEN
-from tests.e2e.conftest import engine_env
+from tests.e2e.conftest import FIXTURES, engine_env, with_plugins
 from tests.e2e.test_side_by_side import bind_two_workers
 from tests.e2e.test_startup_failures import DRIVER, GRACE_S, RUN_MARKER, run_watched, wait_until_gone
 from vllm_kv_cache_limit import probe as engine_probe
 
-PLUGIN_DIR = Path(__file__).parent / "fixtures" / "low_memory_plugin"
+PLUGIN_DIR = FIXTURES / "low_memory_plugin"
 MiB = 2**20
 BOUND_S = 240
 """Start-up of a tensor-parallel-2 engine on the 2-core test machine takes
@@ -45,7 +44,7 @@ def run_tensor_parallel_2(tiny_model: str, tmp_path: Path, **engine_args: object
         **{
             RUN_MARKER: marker,
             "VLLM_CPU_OMP_THREADS_BIND": bind,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": with_plugins(PLUGIN_DIR),
             "KVCL_TEST_LOW_MEMORY_RANK": "1",
             "KVCL_TEST_LOW_MEMORY_BYTES": str(8 * MiB),
         }

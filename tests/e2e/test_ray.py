@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import BASE_ENGINE_ARGS, engine_env
+from tests.e2e.conftest import BASE_ENGINE_ARGS, FIXTURES, engine_env, with_plugins
 from tests.e2e.test_startup_failures import RUN_MARKER, run_watched, wait_until_gone
 
 pytestmark = pytest.mark.skipif(
@@ -37,7 +37,6 @@ pytestmark = pytest.mark.skipif(
     reason="ray is not installed (a test dependency only: pip install ray)",
 )
 
-FIXTURES = Path(__file__).parent / "fixtures"
 RAY_PLUGIN_DIR = FIXTURES / "ray_cpu_plugin"
 LOW_MEMORY_PLUGIN_DIR = FIXTURES / "low_memory_plugin"
 MiB = 2**20
@@ -127,12 +126,12 @@ def run_ray_driver(tiny_model: str, tmp_path: Path, env: dict[str, str], **engin
         "worker_extension_cls": "vllm_kv_cache_limit.probe.KVCacheProbe",
         **engine_args,
     }
-    plugins = [str(RAY_PLUGIN_DIR), *env.pop("EXTRA_PYTHONPATH", "").split(os.pathsep)]
+    plugins = [RAY_PLUGIN_DIR, *env.pop("EXTRA_PYTHONPATH", "").split(os.pathsep)]
     run_env = engine_env(
         **env,
         **{
             RUN_MARKER: marker,
-            "PYTHONPATH": os.pathsep.join(filter(None, [*plugins, os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": with_plugins(*plugins),
             # No token file written under the home folder for a throwaway cluster.
             "RAY_AUTH_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0",

@@ -18,7 +18,15 @@ import pytest
 import requests
 
 from tests.conftest import REPO
-from tests.e2e.conftest import ENGINE_TIMEOUT_S, api_servers, complete, engine_env, server_args
+from tests.e2e.conftest import (
+    ENGINE_TIMEOUT_S,
+    FIXTURES,
+    api_servers,
+    complete,
+    engine_env,
+    server_args,
+    with_plugins,
+)
 from tests.e2e.test_side_by_side import bind_two_workers
 from vllm_kv_cache_limit import probe
 from vllm_kv_cache_limit.probe import CompletionLoad, metric
@@ -305,7 +313,8 @@ def test_each_data_parallel_engine_takes_the_limit(tiny_model: str, tmp_path: Pa
     spec = {
         "dp": (
             server_args(tiny_model, "16M", None, "--data-parallel-size", "2", "--enable-kv-cache-resize"),
-            engine_env(),
+            # The first grow fails inside engine core 1 alone (test-only plugin).
+            engine_env(PYTHONPATH=with_plugins(FIXTURES / "resize_failure_plugin"), KVCL_TEST_FAIL_GROW_DP_RANK="1"),
         )
     }
     # probe's launcher: its Server carries the pid, below which the workers are.
@@ -334,6 +343,16 @@ def test_each_data_parallel_engine_takes_the_limit(tiny_model: str, tmp_path: Pa
         # Requests spread over both engines still complete.
         for i in range(8):
             assert len(complete(server.base, f"request {i}")["choices"][0]["text"]) > 0
+
+        # A grow that fails inside engine core 1 alone: engine core 0, which
+        # took it, is set back, so both keep the limit they had.
+        failed = requests.post(server.base + ROUTE, json={"size": "16M"}, timeout=180)
+        assert failed.status_code == 500, failed.text
+        message = failed.json()["error"]["message"]
+        assert "test-only failure" in message and "engine cores [1]" in message, message
+        kept = requests.get(server.base + ROUTE, timeout=60).json()
+        assert [e["num_blocks_limit"] for e in kept["engines"]] == [e["num_blocks_limit"] for e in shrunk["engines"]]
+        assert kept["holds"], kept
 
         grown = requests.post(server.base + ROUTE, json={"size": "16M"}, timeout=180).json()
         assert [e["num_blocks_limit"] for e in grown["engines"]] == [

@@ -8,12 +8,14 @@ from vllm_kv_cache_limit.resize import (
     Allocation,
     KVCacheResizeError,
     block_spans,
+    is_error,
     limit_for,
     merged,
     page_ranges,
     parse_mode,
     parse_target,
     parse_timeout,
+    restore_targets,
     status,
 )
 
@@ -95,3 +97,15 @@ def test_data_parallel_status_holds_only_when_every_engine_holds() -> None:
     assert result["num_blocks_in_use"] == 40  # the first engine's own fields
     assert result["engines"] == [first, second] and "engines" not in first
     assert merged([first, first])["holds"] is True
+
+
+def test_data_parallel_engines_that_took_a_refused_change_are_set_back() -> None:
+    before = [status(ALLOC, 384, 48 * MiB, "drain", 0, 0, 0), status(ALLOC, 128, 16 * MiB, "preempt", 0, 0, 0)]
+    took = status(ALLOC, 256, 32 * MiB, "drain", 0, 0, 0)
+    # Engine core 1 failed: engine core 0 goes back to what it had.
+    assert restore_targets(before, [took, {"error": "x", "failed": True}]) == [(0, 48 * MiB, "drain")]
+    assert restore_targets(before, [{"error": "x"}, took]) == [(1, 16 * MiB, "preempt")]
+    # All took it, or none did: nothing to set back.
+    assert restore_targets(before, [took, took]) == []
+    assert restore_targets(before, [{"error": "x"}, {"error": "y"}]) == []
+    assert is_error({"error": "x"}) and not is_error(took) and not is_error(None)
