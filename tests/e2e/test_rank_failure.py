@@ -18,7 +18,7 @@ from tests.e2e.test_side_by_side import bind_two_workers
 from tests.e2e.test_startup_failures import DRIVER, GRACE_S, RUN_MARKER, run_watched, wait_until_gone
 from vllm_kv_cache_limit import probe as engine_probe
 
-PLUGIN_DIR = FIXTURES / "low_memory_plugin"
+PLUGIN_DIR = FIXTURES / "fault_plugin"
 MiB = 2**20
 BOUND_S = 240
 """Start-up of a tensor-parallel-2 engine on the 2-core test machine takes

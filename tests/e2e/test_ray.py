@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 RAY_PLUGIN_DIR = FIXTURES / "ray_cpu_plugin"
-LOW_MEMORY_PLUGIN_DIR = FIXTURES / "low_memory_plugin"
+LOW_MEMORY_PLUGIN_DIR = FIXTURES / "fault_plugin"
 MiB = 2**20
 BOUND_S = 240
 """Ray start-up plus a tensor-parallel-2 engine takes about a minute on the

@@ -314,7 +314,7 @@ def test_each_data_parallel_engine_takes_the_limit(tiny_model: str, tmp_path: Pa
         "dp": (
             server_args(tiny_model, "16M", None, "--data-parallel-size", "2", "--enable-kv-cache-resize"),
             # The first grow fails inside engine core 1 alone (test-only plugin).
-            engine_env(PYTHONPATH=with_plugins(FIXTURES / "resize_failure_plugin"), KVCL_TEST_FAIL_GROW_DP_RANK="1"),
+            engine_env(PYTHONPATH=with_plugins(FIXTURES / "fault_plugin"), KVCL_TEST_FAIL_GROW_DP_RANK="1"),
         )
     }
     # probe's launcher: its Server carries the pid, below which the workers are.
