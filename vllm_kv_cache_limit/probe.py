@@ -286,7 +286,7 @@ def api_servers(
                     if requests.get(f"{server.base}/health", timeout=2).status_code == 200:
                         server.ready_s = time.monotonic() - launched
                         pending.discard(name)
-                except requests.ConnectionError:
+                except requests.RequestException:  # not listening yet, or too busy to answer in time
                     pass
             time.sleep(0.5)
         yield {name: server for name, (_, server) in procs.items()}

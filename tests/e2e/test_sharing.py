@@ -196,7 +196,10 @@ def test_cap_that_cannot_fit_fails_before_weights_load(tiny_model: str, tmp_path
     suggested = re.search(r"Choose at most --kv-cache-max-memory (\S+?),", error["message"])
     assert suggested, error["message"]
     assert "Loading weights" not in log and "EngineCore" not in log
-    assert not seen, seen  # no engine-core or worker process was ever started
+    # No engine-core or worker process was ever started (a short-lived shell
+    # child, such as vLLM's lscpu call, may be seen; it is not an engine).
+    engines = [what for _, what in seen.values() if "multiprocessing" in what or "VLLM::" in what]
+    assert not engines, seen
     print(f"cap refused {result['seconds']:.2f} s after LLM() was called")
     assert result["seconds"] < 30
 

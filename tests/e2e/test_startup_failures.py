@@ -30,7 +30,7 @@ from vllm_kv_cache_limit.probe import free_port
 
 RUN_MARKER = "VLLM_KV_CACHE_LIMIT_TEST_RUN"
 MiB = 2**20
-GRACE_S = 10.0
+GRACE_S = 30.0
 """How long processes of a failed run may take to exit."""
 ENGINE_RECORD = re.compile(r"\((EngineCore\w*|Worker\w*) pid=(\d+)\)")
 """vLLM's tag on a log record from an engine-core or worker process."""
@@ -65,10 +65,14 @@ DRIVER = textwrap.dedent(
             LLM(**json.loads(sys.argv[1]))
         except Exception as exc:
             error = {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
+        # Waits for the engine's processes, not for Python's resource tracker
+        # (it lives as long as this process).
         deadline = time.monotonic() + float(sys.argv[2])
-        while (children := alive_children()) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and any(
+            "multiprocessing.resource_tracker" not in child["cmdline"] for child in alive_children()
+        ):
             time.sleep(0.2)
-        print("DRIVER_RESULT " + json.dumps({"error": error, "children": children}), flush=True)
+        print("DRIVER_RESULT " + json.dumps({"error": error, "children": alive_children()}), flush=True)
     '''
 )
 
@@ -159,7 +163,7 @@ def run_watched(command: list[str], env: dict[str, str], log_path: Path) -> tupl
                         # Every distinct command line is kept: a child caught
                         # between fork and exec still shows its parent's, and
                         # one caught while it sets its process title a torn one.
-                        what = " ".join(child.cmdline())[:120]
+                        what = " ".join(child.cmdline())[:400]
                         started, known = seen.get(child.pid, (child.create_time(), ""))
                         if what not in known.split(" | "):
                             known = f"{known} | {what}" if known else what

@@ -40,7 +40,7 @@ def hold(folder: Path, key: str, seconds: float) -> subprocess.Popen:
 
 
 def test_second_process_waits_for_the_holder_and_names_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    holder = hold(tmp_path, "cpu-node0", 1.5)
+    holder = hold(tmp_path, "cpu-node0", 4)
     started = time.monotonic()
     with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
         held = startup_lock.acquire([("cpu-node0", "host memory node 0")], folder=str(tmp_path), timeout=30)
