@@ -34,6 +34,27 @@ FIXTURES = Path(__file__).parent / "fixtures"
 entry point; never installed, found through ``PYTHONPATH``."""
 
 
+CPU_SHM = Path("/dev/shm")
+CPU_SHM_PATTERN = "*-cpushm_*"
+"""vLLM's CPU backend gives each tensor- or pipeline-parallel group a shared
+memory segment named after the group's distributed port
+(``VLLM_DIST_IDENT``), and does not unlink it when its workers are killed
+(Ray shutting down, a failed start-up). A later engine that draws the same
+port then fails: "create shm in SHMManager failed. errno: 17"."""
+
+
+@pytest.fixture(autouse=True)
+def _remove_leaked_cpu_shm() -> Iterator[None]:
+    """Removes the CPU backend's shared-memory segments that appeared during
+    a test, so that no later engine collides with one. A segment still mapped
+    by a running engine (a module's server) stays usable: unlinking removes
+    only its name."""
+    before = set(CPU_SHM.glob(CPU_SHM_PATTERN))
+    yield
+    for path in set(CPU_SHM.glob(CPU_SHM_PATTERN)) - before:
+        path.unlink(missing_ok=True)
+
+
 def with_plugins(*folders: Path | str) -> str:
     """``PYTHONPATH`` with ``folders`` (test-only plugins) before this
     process's own, for an engine in a child process."""
