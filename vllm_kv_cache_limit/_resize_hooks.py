@@ -445,8 +445,8 @@ async def _call_async(engine: Any, method: str, *args: Any) -> dict[str, Any]:
     # vLLM's client sends a utility call to one of them (or to all, keeping
     # the first reply). Each gets the call, and the replies are merged.
 
-    async def each(method: str, *args: Any) -> list[Any]:
-        return await asyncio.gather(*(client._call_utility_async(method, *args, engine=e) for e in engines))
+    async def each(call: str, *values: Any) -> list[Any]:
+        return await asyncio.gather(*(client._call_utility_async(call, *values, engine=e) for e in engines))
 
     before = [_checked(s) for s in await each("kv_cache_limit_status")] if method == "kv_cache_limit_set" else []
     replies = await each(method, *args)
@@ -457,7 +457,7 @@ async def _call_async(engine: Any, method: str, *args: Any) -> dict[str, Any]:
         await asyncio.gather(*(_restore(client, engines, *target) for target in restore))
         refused = [index for index, reply in enumerate(replies) if resize.is_error(reply)]
         worst = max((replies[index] for index in refused), key=lambda reply: bool(reply.get("failed")))
-        _checked(
+        raise _exception(
             {
                 **worst,
                 "error": f"{worst['error']} (data-parallel engine cores {refused}; "
@@ -480,10 +480,13 @@ async def _restore(client: Any, engines: list[Any], index: int, size: int, mode:
 
 def _checked(result: Any) -> dict[str, Any]:
     if resize.is_error(result):
-        if result.get("failed"):
-            raise KVCacheResizeFailed(result["error"])
-        raise KVCacheResizeError(result["error"])
+        raise _exception(result)
     return dict(result)
+
+
+def _exception(reply: dict[str, Any]) -> KVCacheResizeError:
+    """The error an engine core's ``{"error": ...}`` reply is raised as."""
+    return (KVCacheResizeFailed if reply.get("failed") else KVCacheResizeError)(reply["error"])
 
 
 def _arguments(size: object, mode: object, timeout_s: object) -> tuple[int, str, float]:

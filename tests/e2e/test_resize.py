@@ -269,15 +269,16 @@ def test_outputs_unchanged_across_a_resize_with_prefix_caching(
     model = tiny_model if arch == "llama" else str(build_tiny_model(tmp_path / arch, arch))
     engine: dict[str, Any] = {}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if variant == "in-process" else "1"}
-    if variant in ("tensor-parallel-2", "pipeline-parallel-2"):
-        kind = variant.removesuffix("-2")
-        engine[kind.replace("-", "_") + "_size"] = 2
-        if kind == "pipeline-parallel":
-            # vLLM's CPU backend allocates the buffers a later pipeline stage
-            # receives into only when it compiles; in eager mode its second
-            # stage fails an assertion on the first step (plugin or not).
-            engine["enforce_eager"] = False
-        env["VLLM_CPU_OMP_THREADS_BIND"] = bind_two_workers(f"{kind} worker")
+    if variant == "tensor-parallel-2":
+        engine["tensor_parallel_size"] = 2
+    if variant == "pipeline-parallel-2":
+        engine["pipeline_parallel_size"] = 2
+        # vLLM's CPU backend allocates the buffers a later pipeline stage
+        # receives into only when it compiles; in eager mode its second stage
+        # fails an assertion on the first step (plugin or not).
+        engine["enforce_eager"] = False
+    if variant.endswith("-parallel-2"):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind_two_workers(f"{variant.removesuffix('-2')} worker")
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     run = subprocess.run(
