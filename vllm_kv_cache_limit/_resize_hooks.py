@@ -391,9 +391,9 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -
         spans += resize.block_spans(view.data_ptr(), stride, block_bytes, keep, num_blocks)
     ranges = resize.page_ranges(spans, mmap.PAGESIZE)
     if release:
-        rss = _rss_bytes()
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        rss = _rss_bytes()
         for start, end in ranges:
             if libc.madvise(start, end - start, MADV_DONTNEED) != 0:
                 raise OSError(
