@@ -121,11 +121,10 @@ def kv_cache_storages(worker: Any) -> dict[int, tuple[int, str]]:
     return {s.data_ptr(): (s.nbytes(), str(s.device)) for s in storages}
 
 
-def kv_cache_resident_bytes(worker: Any) -> int | None:
-    """How many bytes of a worker's KV cache storages are resident in RAM
-    (``mincore`` over each; CPU backend, Linux), or None where it cannot be
-    read: allocated bytes are not resident until written, and pages given
-    back with ``madvise`` are not resident until written again."""
+def _cpu_storage_pages(worker: Any) -> list[tuple[int, int, list[bool]]] | None:
+    """``(data_ptr, bytes, resident per page)`` for each storage of a
+    worker's KV cache (``mincore``; CPU backend, Linux), or None where it
+    cannot be read. Pages are counted from the one holding ``data_ptr``."""
     import ctypes
     import mmap
 
@@ -135,16 +134,53 @@ def kv_cache_resident_bytes(worker: Any) -> int | None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     page = mmap.PAGESIZE
-    resident = 0
+    storages = []
     for ptr, (nbytes, _) in found.items():
         start = ptr - ptr % page
         length = ptr + nbytes - start
-        pages = (length + page - 1) // page
-        vec = (ctypes.c_ubyte * pages)()
+        vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
         if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
             return None
-        resident += min(nbytes, sum(v & 1 for v in vec) * page)
-    return resident
+        storages.append((ptr, nbytes, [bool(v & 1) for v in vec]))
+    return storages
+
+
+def kv_cache_resident_bytes(worker: Any) -> int | None:
+    """How many bytes of a worker's KV cache storages are resident in RAM
+    (``mincore`` over each; CPU backend, Linux), or None where it cannot be
+    read: allocated bytes are not resident until written, and pages given
+    back with ``madvise`` are not resident until written again."""
+    import mmap
+
+    storages = _cpu_storage_pages(worker)
+    if storages is None:
+        return None
+    return sum(min(nbytes, sum(pages) * mmap.PAGESIZE) for _, nbytes, pages in storages)
+
+
+def kv_cache_fault_in(worker: Any) -> int | None:
+    """Make every page of a worker's KV cache storages resident, for tests
+    whose premise is a cache all in RAM (after a grow, released pages come
+    back only as requests write their blocks). Each page that is not resident
+    has its first byte in the storage read and written back, so no content
+    changes; call it between steps (a ``collective_rpc`` is). Returns the
+    bytes of the pages brought in, or None where residency cannot be read."""
+    import ctypes
+    import mmap
+
+    storages = _cpu_storage_pages(worker)
+    if storages is None:
+        return None
+    page = mmap.PAGESIZE
+    brought = 0
+    for ptr, _, pages in storages:
+        start = ptr - ptr % page
+        for index, resident in enumerate(pages):
+            if not resident:
+                byte = ctypes.c_char.from_address(max(ptr, start + index * page))
+                byte.value = byte.value
+                brought += page
+    return brought
 
 
 def worker_kv_cache_bytes(worker: Any) -> int:
@@ -166,6 +202,9 @@ class KVCacheProbe:
 
     def kv_cache_resident_bytes(self) -> int | None:
         return kv_cache_resident_bytes(self)
+
+    def kv_cache_fault_in(self) -> int | None:
+        return kv_cache_fault_in(self)
 
 
 def worker_rss_bytes(worker: Any) -> int:
