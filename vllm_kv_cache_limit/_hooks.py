@@ -494,6 +494,19 @@ def _hold_startup_lock(original: Callable) -> Callable:
         try:
             if not startup_lock.enabled():
                 return original(self, vllm_config, *args, **kwargs)
+            if vllm_config.parallel_config.data_parallel_size > 1:
+                # Only a mixture-of-experts model keeps data_parallel_size > 1
+                # in its engine cores (vLLM runs a dense model's ranks as
+                # independent DP=1 engines). Its ranks start in lockstep, their
+                # workers joining one process group: a rank holding the lock
+                # would wait for a rank waiting for the lock.
+                logger.info(
+                    "No KV cache start-up lock for data-parallel rank %d of %d: the ranks of a "
+                    "mixture-of-experts model start together, and a lock between them would deadlock.",
+                    vllm_config.parallel_config.data_parallel_rank,
+                    vllm_config.parallel_config.data_parallel_size,
+                )
+                return original(self, vllm_config, *args, **kwargs)
             try:
                 devices, _ = _instance_devices(vllm_config)
             except Exception as exc:

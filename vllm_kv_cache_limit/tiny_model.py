@@ -63,6 +63,8 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
         },
     ),
+    # Mixture of experts: vLLM keeps its data-parallel ranks coupled.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 SEED = 1234

@@ -312,6 +312,27 @@ def test_startup_lock_names_each_local_gpu_by_uuid(mocker) -> None:
     assert [d.key for d in devices] == ["GPU-uuid-0", "GPU-uuid-1"] and workers == 2
 
 
+@pytest.mark.parametrize(("data_parallel_size", "locked"), [(1, True), (2, False)])
+def test_startup_lock_not_taken_by_coupled_data_parallel_ranks(mocker, data_parallel_size: int, locked: bool) -> None:
+    """A dense model's data-parallel engine cores run with
+    data_parallel_size 1 and take the lock; a mixture-of-experts model's keep
+    their size, start in lockstep, and would deadlock on it."""
+    from vllm_kv_cache_limit import startup_lock
+
+    acquire = mocker.patch.object(startup_lock, "acquire")
+    mocker.patch.object(
+        _hooks, "_instance_devices", return_value=([_hooks._Device("cpu-node0", "node 0", lambda: 0)], 1)
+    )
+    original = mocker.Mock()
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(**{_hooks.FIELD: 16 * 2**20}),
+        parallel_config=SimpleNamespace(data_parallel_size=data_parallel_size, data_parallel_rank=1),
+    )
+    _hooks._hold_startup_lock(original)("engine", config)
+    original.assert_called_once_with("engine", config)
+    assert acquire.called is locked
+
+
 def test_cuda_fail_fast_uses_nvml_total(mocker) -> None:
     """On CUDA the device total comes from the platform (NVML), not torch.cuda."""
     from vllm_kv_cache_limit import _hooks

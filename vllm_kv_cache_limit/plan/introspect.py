@@ -60,7 +60,8 @@ def _window_from_layer_types(hf_config: Any, layer: int) -> int | None:
 
 
 def _no_window(hf_config: Any, layer: int) -> int | None:
-    # qwen2.py, qwen3.py: the decoder layers pass no sliding window.
+    # qwen2.py, qwen3.py, mixtral.py: the attention layers get no sliding
+    # window, whatever the config holds.
     return None
 
 
@@ -89,6 +90,7 @@ EXACT_ARCHITECTURES: dict[str, _Recipe] = {
     "Gemma2ForCausalLM": _Recipe(),
     "Qwen2ForCausalLM": _Recipe(window=_no_window, head_size=_qwen2_head_size),
     "Qwen3ForCausalLM": _Recipe(window=_no_window),
+    "MixtralForCausalLM": _Recipe(window=_no_window),
 }
 """vLLM architectures whose attention layers the planner builds exactly as
 their vLLM implementation does. Others with plain attention layers are
