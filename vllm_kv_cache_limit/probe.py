@@ -197,9 +197,6 @@ class KVCacheProbe:
     def kv_cache_bytes(self) -> int:
         return worker_kv_cache_bytes(self)
 
-    def rss_bytes(self) -> int:
-        return worker_rss_bytes(self)
-
     def kv_cache_resident_bytes(self) -> int | None:
         return kv_cache_resident_bytes(self)
 

@@ -10,25 +10,30 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import requests
 
 from tests.conftest import REPO
 from tests.e2e.conftest import engine_env, server_args
+from tests.e2e.test_resize import ROUTE
 from vllm_kv_cache_limit import probe
 from vllm_kv_cache_limit.tiny_model import build_tiny_model
 
 MiB = 2**20
-ROUTE = "/kv_cache/max_memory"
 STARTUP_BOUND_S = 240
 """Start-up takes about 40 s here. With each rank taking the lock, rank 0
 waited 283 s for rank 1, which waited for rank 0 in its process group
 until gloo gave up and the engine failed."""
 
 
-def test_coupled_data_parallel_ranks_start_without_deadlock_and_take_a_resize(tmp_path: Path) -> None:
-    model = str(build_tiny_model(tmp_path / "mixtral", "mixtral"))
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("mixtral"), "mixtral"))
+
+
+def test_coupled_data_parallel_ranks_start_without_deadlock_and_take_a_resize(mixtral: str, tmp_path: Path) -> None:
     spec = {
-        "dp": (server_args(model, "16M", None, "--data-parallel-size", "2", "--enable-kv-cache-resize"), engine_env())
+        "dp": (server_args(mixtral, "16M", None, "--data-parallel-size", "2", "--enable-kv-cache-resize"), engine_env())
     }
     with probe.api_servers(spec, tmp_path, STARTUP_BOUND_S, REPO) as running:
         server = running["dp"]
@@ -52,15 +57,14 @@ def test_coupled_data_parallel_ranks_start_without_deadlock_and_take_a_resize(tm
         ]
 
 
-def test_external_load_balancing_each_server_resizes_its_own_rank(tmp_path: Path) -> None:
+def test_external_load_balancing_each_server_resizes_its_own_rank(mixtral: str, tmp_path: Path) -> None:
     """One server per rank (``--data-parallel-rank``), started at once on one
     host: both start (each rank's engine core is coupled to the other's), and
     a resize through one server changes only its own engine core."""
-    model = str(build_tiny_model(tmp_path / "mixtral", "mixtral"))
     group = ("--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1")
     group += ("--data-parallel-rpc-port", str(probe.free_port()), "--enable-kv-cache-resize")
     spec = {
-        f"rank{rank}": (server_args(model, "16M", None, *group, "--data-parallel-rank", str(rank)), engine_env())
+        f"rank{rank}": (server_args(mixtral, "16M", None, *group, "--data-parallel-rank", str(rank)), engine_env())
         for rank in (0, 1)
     }
     with probe.api_servers(spec, tmp_path, STARTUP_BOUND_S, REPO) as running:
