@@ -44,6 +44,7 @@ from vllm_kv_cache_limit.policy import (
     check_cap_within_instance,
     check_cap_within_total,
     check_explicit_size_within_free,
+    kv_bytes_before_load,
     mamba_blocks_message,
     resolve_cap,
     too_small_message,
@@ -345,7 +346,8 @@ def _nvml_free(index: int) -> int:
 
 def _check_fits_before_load(config: Any, cap: int) -> None:
     """Fail fast, in the first process and before any weights load, when the
-    local workers' caps plus their share of the weights (read from the
+    local workers' KV caches (the cap, or the explicit size under it; see
+    ``policy.kv_bytes_before_load``) plus their share of the weights (read from the
     safetensors headers) exceed the free memory of their devices. Any reading
     that fails skips the check: it only refuses what cannot possibly fit."""
     try:
@@ -364,7 +366,9 @@ def _check_fits_before_load(config: Any, cap: int) -> None:
         logger.debug("KV cache cap: fit check before loading skipped: %r", exc)
         return
     label = devices[0].label if len(devices) == 1 else " + ".join(d.label for d in devices)
-    check_cap_fits_before_load(cap, weights, workers, free, label)
+    cache_config = config.cache_config
+    kv_bytes = kv_bytes_before_load(cap, cache_config.kv_cache_memory_bytes, cache_config.num_gpu_blocks_override)
+    check_cap_fits_before_load(cap, weights, workers, free, label, kv_bytes)
 
 
 def _local_model_folder(model_config: Any) -> str | None:

@@ -24,6 +24,7 @@ __all__ = [
     "cap_explicit_size",
     "cap_block_override",
     "check_cap_fits_before_load",
+    "kv_bytes_before_load",
     "check_explicit_size_within_free",
     "check_cap_within_instance",
     "check_cap_within_total",
@@ -223,13 +224,32 @@ def check_cap_within_instance(cap: int, budget: int, free_at_start: int, non_kv:
     )
 
 
-def check_cap_fits_before_load(cap: int, weight_bytes: int, workers: int, free: int, device: str) -> None:
+def kv_bytes_before_load(cap: int, kv_cache_memory_bytes: int | None, num_gpu_blocks_override: int | None) -> int:
+    """The KV cache bytes per worker that the check before loading counts:
+    what will be allocated, as far as it is known before the model loads.
+    An explicit size (``--kv-cache-memory-bytes``, or the CPU backend's
+    ``VLLM_CPU_KVCACHE_SPACE``, which vLLM turns into it) is allocated exactly,
+    reduced to the cap; with ``num_gpu_blocks_override`` the size of a block
+    is known only once the workers report their layers, so nothing is counted
+    (the engine core reduces the override to the cap, the workers check the
+    rest); else the cap."""
+    if kv_cache_memory_bytes is not None:
+        return min(kv_cache_memory_bytes, cap)
+    if num_gpu_blocks_override is not None:
+        return 0
+    return cap
+
+
+def check_cap_fits_before_load(
+    cap: int, weight_bytes: int, workers: int, free: int, device: str, kv_bytes: int | None = None
+) -> None:
     """In the first process, before any weights load: refuse a cap that cannot
-    possibly fit, that is when ``workers`` KV caches of ``cap`` bytes plus the
-    ``weight_bytes`` these workers load (a lower bound) exceed the ``free``
-    memory of their devices. Anything else may fit and is left to the
-    workers' checks."""
-    need = weight_bytes + workers * cap
+    possibly fit, that is when ``workers`` KV caches of ``kv_bytes`` (default:
+    the cap; see :func:`kv_bytes_before_load`) plus the ``weight_bytes`` these
+    workers load (a lower bound) exceed the ``free`` memory of their devices.
+    Anything else may fit and is left to the workers' checks."""
+    kv = cap if kv_bytes is None else kv_bytes
+    need = weight_bytes + workers * kv
     if need <= free:
         return
     per_worker = (free - weight_bytes) // workers if workers else 0
@@ -238,14 +258,19 @@ def check_cap_fits_before_load(cap: int, weight_bytes: int, workers: int, free: 
         if weight_bytes
         else ""
     )
-    caps = f"{workers} x the cap" if workers > 1 else "the cap"
+    if kv == cap:
+        subject, caps, flag = _cap_words(cap), (f"{workers} x the cap" if workers > 1 else "the cap"), FLAG
+    else:
+        subject = f"The KV cache of {kv} bytes ({_gib(kv)}) set by --kv-cache-memory-bytes (under {_cap_words(cap)})"
+        caps = f"{workers} x that size" if workers > 1 else "that size"
+        flag = "--kv-cache-memory-bytes"
     fit = (
-        f"Choose at most {FLAG} {format_size(per_worker, 'down')}, or free memory held by other processes."
+        f"Choose at most {flag} {format_size(per_worker, 'down')}, or free memory held by other processes."
         if per_worker > 0
         else "The weights alone do not fit in the free memory; free memory held by other processes."
     )
     raise KVCacheMaxMemoryError(
-        f"{_cap_words(cap)} cannot fit on "
+        f"{subject} cannot fit on "
         f"the {device}: {weights}{_gib(free)} ({free} bytes) is free, less than "
         f"{caps} plus the weights ({_gib(need)}, {need} bytes). {fit}"
     )

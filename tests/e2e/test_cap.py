@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from tests.e2e.conftest import node_memory
+
 MiB = 2**20
 INFO_RE = re.compile(
     r"KV cache max memory: \S+ = (?P<cap>\d+) bytes .*? vLLM budget (?P<budget>\d+) bytes .*?; "
@@ -47,6 +49,7 @@ def test_cap_above_budget_changes_nothing(probe) -> None:
     # memory; 40% of the node is above it and below the free memory. (The
     # node's memory is read live: on these VMs it grows during a session.)
     cap = int(0.4 * _node_total_memory())
+    assert node_memory()[0] > cap  # the premise: the cap fits in what is free
     result, log = probe(kv_cache_max_memory=cap)
     assert result["ok"], result
     line = info_line(log)
@@ -109,6 +112,7 @@ def _node_total_memory() -> int:
 def test_cap_above_free_memory_fails_before_weights_load(probe) -> None:
     # Below the node's total (so the total check passes), above what is free.
     cap = _node_total_memory() - 16 * MiB
+    assert node_memory()[0] < cap  # the premise
     result, log = probe(kv_cache_max_memory=cap)
     assert not result["ok"]
     assert result["error_type"] == "KVCacheMaxMemoryError"
@@ -124,3 +128,29 @@ def test_cap_above_device_total_fails_before_weights_load(probe) -> None:
     assert result["error_type"] == "KVCacheMaxMemoryError"
     assert "larger than the total memory" in result["error"]
     assert "EngineCore" not in log and "Loading weights" not in log
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        ({"kv_cache_memory_bytes": 8 * MiB}, 8 * MiB),
+        ({"num_gpu_blocks_override": 64}, None),  # 64 blocks
+        ({"env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}, 1024 * MiB),
+    ],
+    ids=["kv_cache_memory_bytes", "num_gpu_blocks_override", "VLLM_CPU_KVCACHE_SPACE"],
+)
+def test_explicit_size_that_fits_starts_under_a_cap_above_free_memory(probe, size: dict, expected: int | None) -> None:
+    """A cap between the node's free and total memory is never allocated when
+    an explicit size below it is: the check before loading counts what will
+    be allocated, not the cap."""
+    available, total = node_memory()
+    cap = total - 16 * MiB
+    assert available < cap < total  # the premise: the cap alone cannot fit
+    assert (expected or 0) < available // 2  # ... the explicit size can
+    result, log = probe(kv_cache_max_memory=cap, **size)
+    assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{log[-3000:]}"
+    if expected is None:
+        assert result["num_gpu_blocks"] == 64
+        expected = 64 * block_bytes(result)
+    assert result["kv_cache_bytes"] == [expected]  # measured in the worker
+    assert "cannot fit on the host memory node" not in log

@@ -267,6 +267,7 @@ def _engine_config(model: str, world: int, quantization: str | None = None):
     return SimpleNamespace(
         parallel_config=SimpleNamespace(world_size=world),
         model_config=SimpleNamespace(model=model, dtype=torch.bfloat16, quantization=quantization, revision=None),
+        cache_config=SimpleNamespace(kv_cache_memory_bytes=None, num_gpu_blocks_override=None),
     )
 
 
@@ -294,6 +295,18 @@ def test_cuda_fail_fast_weights_plus_caps_against_nvml_free(mocker, tmp_path: Pa
     cuda_init.assert_not_called()
     # On-the-fly quantization may shrink the weights: only the caps count then.
     _hooks._check_fits_before_load(_engine_config(str(tmp_path), 2, "fp8"), 100 * MiB)
+    # An explicit size under the cap is what will be allocated: a cap above
+    # the free memory passes when the size fits, and the size is named.
+    explicit = _engine_config(str(tmp_path), world=2)
+    explicit.cache_config.kv_cache_memory_bytes = (200 * MiB - weights) // 2
+    _hooks._check_fits_before_load(explicit, 10 * GiB)
+    explicit.cache_config.kv_cache_memory_bytes += 1
+    with pytest.raises(KVCacheMaxMemoryError, match=r"The KV cache of \d+ bytes .* set by --kv-cache-memory-bytes"):
+        _hooks._check_fits_before_load(explicit, 10 * GiB)
+    # A block count: a block's size is not known yet, only the weights count.
+    blocks = _engine_config(str(tmp_path), world=2)
+    blocks.cache_config.num_gpu_blocks_override = 10**6
+    _hooks._check_fits_before_load(blocks, 10 * GiB)
 
 
 def test_cuda_fail_fast_skipped_when_nvml_fails(mocker, tmp_path: Path) -> None:

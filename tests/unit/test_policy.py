@@ -11,6 +11,7 @@ from vllm_kv_cache_limit.policy import (
     cap_block_override,
     cap_explicit_size,
     check_cap_fits_before_load,
+    kv_bytes_before_load,
     check_cap_within_instance,
     check_cap_within_total,
     check_explicit_size_within_free,
@@ -183,6 +184,20 @@ def test_cap_fits_before_load() -> None:
     with pytest.raises(KVCacheMaxMemoryError) as info:  # weights unknown: the cap alone
         check_cap_fits_before_load(8 * GiB, 0, 1, 6 * GiB, "host memory node 0")
     assert "weights take" not in str(info.value)
+    # An explicit size under the cap: that size counts, and is named.
+    check_cap_fits_before_load(8 * GiB, 1 * GiB, 1, 6 * GiB, "host memory node 0", kv_bytes=4 * GiB)
+    with pytest.raises(KVCacheMaxMemoryError) as info:
+        check_cap_fits_before_load(8 * GiB, 1 * GiB, 2, 6 * GiB, "host memory node 0", kv_bytes=4 * GiB)
+    message = str(info.value)
+    assert message.startswith("The KV cache of 4294967296 bytes (4.00 GiB) set by --kv-cache-memory-bytes")
+    assert "2 x that size plus the weights" in message and "Choose at most --kv-cache-memory-bytes 2.5GiB" in message
+
+
+def test_kv_bytes_before_load_is_what_will_be_allocated() -> None:
+    assert kv_bytes_before_load(16 * MiB, None, None) == 16 * MiB  # the cap
+    assert kv_bytes_before_load(16 * MiB, 8 * MiB, None) == 8 * MiB  # explicit, under the cap
+    assert kv_bytes_before_load(16 * MiB, 32 * MiB, None) == 16 * MiB  # explicit, reduced to the cap
+    assert kv_bytes_before_load(16 * MiB, None, 64) == 0  # a block count: block size unknown yet
 
 
 def test_too_small_message_names_flag_need_and_fit() -> None:
