@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Check every place vllm-kv-cache-limit hooks into vLLM (``compat.HOOKS``,
-and the vLLM functions vllm-kv-plan calls, ``compat.PLANNER_APIS``)
-against the installed vLLM and against the source of another vLLM build.
+the attributes of vLLM objects it relies on, ``compat.ATTRIBUTES``, their
+run-time resize counterparts, and the vLLM functions vllm-kv-plan calls,
+``compat.PLANNER_APIS``) against the installed vLLM and against the source
+of another vLLM build.
 
     scripts/check_hooks.py                       # installed vLLM + newest supported CUDA build
     scripts/check_hooks.py --download 0.33.0     # installed vLLM + the vllm==0.33.0 wheel
@@ -14,8 +16,9 @@ The CUDA wheel is fetched with ``pip download --no-deps`` into ``.cache/wheels``
 and only its ``vllm/**/*.py`` files are extracted (to ``.cache/vllm-src``); it
 is never installed, so none of its CUDA dependencies are needed.
 
-Prints one line per checked build. Exit status: 0 when every hook fits, 1
-when a hook is missing or changed, 3 when the wheel could not be fetched.
+Prints one line per checked build and group. Exit status: 0 when every hook
+and attribute fits, 1 when one is missing or changed, 3 when the wheel could
+not be fetched.
 """
 
 from __future__ import annotations
@@ -33,17 +36,22 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache"
 DOCS = REPO / "docs" / "compatibility.md"
 TABLE_START, TABLE_END = "<!-- hooks-table:start", "<!-- hooks-table:end -->"
+ATTRIBUTES_START, ATTRIBUTES_END = "<!-- attributes-table:start", "<!-- attributes-table:end -->"
 EXIT_DRIFT = 1
 EXIT_FETCH_FAILED = 3
 _WHEEL_VERSION = re.compile(r"^vllm-(?P<version>[^-]+)-")
 
 
 def docs_with_hooks_table(text: str) -> str:
-    """``text`` (docs/compatibility.md) with its hooks table regenerated."""
-    start = text.index(TABLE_START)
-    start = text.index("\n", start) + 1
-    end = text.index(TABLE_END)
-    return text[:start] + compat.hooks_table() + text[end:]
+    """``text`` (docs/compatibility.md) with its hooks and attributes tables regenerated."""
+    for first, last, table in (
+        (TABLE_START, TABLE_END, compat.hooks_table()),
+        (ATTRIBUTES_START, ATTRIBUTES_END, compat.attributes_table()),
+    ):
+        start = text.index("\n", text.index(first)) + 1
+        end = text.index(last)
+        text = text[:start] + table + text[end:]
+    return text
 
 
 def wheel_version(wheel: Path) -> str:
@@ -141,22 +149,41 @@ def source_version(root: Path) -> str:
     return "unknown"
 
 
-def report(label: str, version: str, problems: list[str], total: int | None = None, what: str = "hooks") -> bool:
-    """Print one line for a checked build; True when every hook fits."""
+def report(
+    label: str, version: str, problems: list[str], total: int | None = None, what: str = "hooks", skipped: str = ""
+) -> bool:
+    """Print one line for a checked build; True when every hook fits.
+    ``skipped`` names what the check could not cover there, and why."""
     total = len(compat.HOOKS) if total is None else total
     supported = compat.version_supported(version)
     note = "" if supported else f" (outside the supported range {compat.SUPPORTED_VLLM[0]})"
     if problems:
-        print(f"FAIL {label} vLLM {version}{note}: {len(problems)} of {total} {what} do not fit:")
+        print(f"FAIL {label} vLLM {version}{note}: {len(problems)} of {total} {what} do not fit{skipped}:")
         for problem in problems:
             print(f"  - {problem}")
         return False
-    print(f"OK   {label} vLLM {version}{note}: all {total} {what} fit")
+    print(f"OK   {label} vLLM {version}{note}: all {total} {what} fit{skipped}")
     return True
 
 
 PLANNER = "vllm-kv-plan APIs"
 RESIZE = "run-time resize hooks"
+ATTRIBUTES = "attributes"
+RESIZE_ATTRIBUTES = "run-time resize attributes"
+
+
+def report_attributes_in_source(root: Path, label: str, version: str | None, shown: str) -> bool:
+    """Check ``ATTRIBUTES`` and ``RESIZE_ATTRIBUTES`` in the source tree
+    ``root``; the entries a source tree cannot show are named as skipped."""
+    ok = True
+    for attributes, what in ((compat.ATTRIBUTES, ATTRIBUTES), (compat.RESIZE_ATTRIBUTES, RESIZE_ATTRIBUTES)):
+        expected = compat.for_version(attributes, version)
+        checked = tuple(a for a in expected if not a.not_in_source)
+        unseen = [a.name for a in expected if a.not_in_source]
+        skipped = f" ({len(unseen)} more not shown by vLLM's source, left to the installed check: {', '.join(unseen)})"
+        problems = compat.check_attributes_in_source(root, checked)
+        ok &= report(label, shown, problems, len(checked), what, skipped if unseen else "")
+    return ok
 
 
 def check_wheel(wheel: Path, cache_dir: Path) -> bool:
@@ -176,6 +203,7 @@ def check_tree(root: Path, label: str, version: str) -> bool:
     resize = compat.for_version(compat.RESIZE_HOOKS, known)
     ok = report(label, version, compat.check_hooks_in_source(root, hooks), len(hooks))
     ok &= report(label, version, compat.check_hooks_in_source(root, resize), len(resize), RESIZE)
+    ok &= report_attributes_in_source(root, label, known, version)
     return report(label, version, compat.check_hooks_in_source(root, apis), len(apis), PLANNER) and ok
 
 
@@ -197,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--write-docs",
         action="store_true",
-        help="rewrite the hooks table in docs/compatibility.md from compat.HOOKS and exit",
+        help="rewrite the hooks and attributes tables in docs/compatibility.md from compat and exit",
     )
     parser.add_argument(
         "--cache-dir", type=Path, default=CACHE, help="where wheels and sources are kept (default: .cache)"
@@ -205,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.write_docs:
         DOCS.write_text(docs_with_hooks_table(DOCS.read_text()))
-        print(f"wrote the hooks table in {DOCS}")
+        print(f"wrote the hooks and attributes tables in {DOCS}")
         return 0
 
     ok = True
@@ -216,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         ok &= report("installed", installed, compat.check_hooks(compat.PLANNER_APIS), len(apis), PLANNER)
         resize = compat.for_version(compat.RESIZE_HOOKS, installed)
         ok &= report("installed", installed, compat.check_hooks(compat.RESIZE_HOOKS), len(resize), RESIZE)
+        for attributes, what in ((compat.ATTRIBUTES, ATTRIBUTES), (compat.RESIZE_ATTRIBUTES, RESIZE_ATTRIBUTES)):
+            expected = compat.for_version(attributes, installed)
+            ok &= report("installed", installed, compat.check_attributes(attributes), len(expected), what)
 
     if args.source is not None:
         if not (args.source / "vllm").is_dir():

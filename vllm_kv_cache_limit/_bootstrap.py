@@ -100,7 +100,9 @@ def cap_in_force(environ: dict[str, str] | os._Environ = os.environ) -> bool:
     """Whether this process belongs to an engine started with a cap: an
     engine-core or worker process of one (the error relay is armed), or any
     process with ``VLLM_KV_CACHE_MAX_MEMORY`` set."""
-    return bool(environ.get("VLLM_KV_CACHE_LIMIT_ERROR_FILE") or environ.get("VLLM_KV_CACHE_MAX_MEMORY", "").strip())
+    from vllm_kv_cache_limit import envs
+
+    return bool(environ.get(envs.ERROR_FILE) or environ.get(envs.MAX_MEMORY, "").strip())
 
 
 def hook_failure_message(problems: list[str]) -> str:

@@ -19,6 +19,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import os
 import shutil
 import tempfile
@@ -29,7 +30,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kv_cache_limit import compat, startup_lock
+from vllm_kv_cache_limit import compat, envs, startup_lock
 from vllm_kv_cache_limit.config import KVCacheLimitConfig
 from vllm_kv_cache_limit.policy import (
     ENV_VAR,
@@ -57,15 +58,8 @@ from vllm_kv_cache_limit.weights import weight_bytes_lower_bound
 logger = init_logger("vllm.plugins.kv_cache_limit")
 
 FIELD = "kv_cache_max_memory"
-ERROR_RELAY_ENV = "VLLM_KV_CACHE_LIMIT_ERROR_FILE"
-"""Set in the first process when a cap is given; an engine-core or worker
-process writes its cap error there so that the first process can raise it
-as the final error instead of vLLM's generic "Engine core initialization
-failed"."""
-
-INACTIVE_WARNED_ENV = "VLLM_KV_CACHE_LIMIT_INACTIVE_WARNED"
-"""Set once the "plugin is inactive" warning was logged in this process
-tree."""
+ERROR_RELAY_ENV = envs.ERROR_FILE
+INACTIVE_WARNED_ENV = envs.INACTIVE_WARNED
 
 _WRAPPED = "__vllm_kv_cache_limit_wrapped__"
 _inactive_warned = False
@@ -260,6 +254,7 @@ def _carry_cap_into_config(original: Callable) -> Callable:
     ``VllmConfig.__post_init__``."""
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _register_environment_variables()
         cap = resolve_cap(getattr(self, FIELD, None), os.environ.get(ENV_VAR))
         if cap is None:
             # No cap in force for the processes this engine starts.
@@ -289,6 +284,17 @@ def _carry_cap_into_config(original: Callable) -> Callable:
     return create_engine_config
 
 
+def _register_environment_variables() -> None:
+    """Why: vLLM checks every ``VLLM_*`` variable against its own table when
+    it builds the engine config (``validate_environ``), and warns about, or
+    with ``--fail-on-environ-validation`` refuses, the plugin's. How: adds
+    the plugin's variables that are set to ``vllm.envs.environment_variables``
+    before the original runs. Upstream: the variables in ``vllm.envs``."""
+    import vllm.envs
+
+    envs.register_with_vllm(vllm.envs.environment_variables)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Device:
     key: str
@@ -298,10 +304,12 @@ class _Device:
     """Reads the device's free memory without initialising CUDA."""
 
 
-def _instance_devices(vllm_config: Any) -> tuple[list[_Device], int]:
-    """The devices this instance's local workers use, and how many workers
-    share them (on the CPU backend every local worker uses the host's memory
-    nodes)."""
+def _instance_devices(vllm_config: Any, local_dp_rank: int | None = None) -> tuple[list[_Device], int]:
+    """The devices one engine's local workers use, and how many workers share
+    them (on the CPU backend every local worker uses the host's memory
+    nodes). On a GPU: the GPUs vLLM gives the workers of local data-parallel
+    rank ``local_dp_rank``, None: of this engine core's own rank, as its
+    workers find it (see ``_local_gpu_ids``)."""
     from vllm.platforms import current_platform
 
     world = int(vllm_config.parallel_config.world_size)
@@ -317,29 +325,98 @@ def _instance_devices(vllm_config: Any) -> tuple[list[_Device], int]:
             )
             for node in nodes
         ], world
-    count = min(world, int(current_platform.device_count()))
     devices = []
-    for index in range(count):
+    for physical in _local_gpu_ids(vllm_config.parallel_config, local_dp_rank):
         try:
-            key = str(current_platform.get_device_uuid(index))
+            key = _nvml_uuid(physical)
         except Exception:
-            key = f"{current_platform.device_type}{current_platform.device_id_to_physical_device_id(index)}"
-        devices.append(
-            _Device(key, f"{current_platform.device_type}:{index} ({key})", functools.partial(_nvml_free, index))
-        )
-    return devices, count
+            key = f"{current_platform.device_type}{physical}"
+        devices.append(_Device(key, f"GPU {physical} ({key})", functools.partial(_nvml_free, physical)))
+    return devices, len(devices)
 
 
-def _nvml_free(index: int) -> int:
-    """Free memory of local device ``index`` from NVML (no CUDA context)."""
+def _local_gpu_ids(parallel_config: Any, local_dp_rank: int | None) -> list[int]:
+    """The physical (NVML) indices of the GPUs of one engine's local workers,
+    by vLLM's own mapping: ``get_physical_gpu_ids_for_local_dp_rank`` (0.29
+    v1/engine/utils.py:341-386, 0.33 v1/engine/utils.py:439-484; vLLM shards a
+    rank's devices with it, honouring CUDA_VISIBLE_DEVICES and --device-ids)
+    at the rank the workers offset their device by (``_dp_device_rank``).
+    Local indices 0..world-1 would name rank 0's GPUs in every rank: on CUDA
+    vLLM does not narrow CUDA_VISIBLE_DEVICES per rank, neither in the first
+    process nor in the engine cores (``CoreEngineProcManager`` sets a rank's
+    devices only on platforms other than CUDA and XPU, or with Ray: 0.29
+    v1/engine/utils.py:208-220, 0.33 v1/engine/utils.py:307-320); each worker
+    adds the offset in ``Worker.init_device``."""
     from vllm.platforms import current_platform
+    from vllm.v1.engine.utils import get_physical_gpu_ids_for_local_dp_rank
+
+    ids = get_physical_gpu_ids_for_local_dp_rank(
+        current_platform.device_control_env_var,
+        _dp_device_rank(parallel_config, local_dp_rank),
+        int(parallel_config.world_size),
+        int(parallel_config.local_world_size),
+        user_assigned_gpu_ids=parallel_config.assigned_physical_gpu_ids,
+    )
+    return [int(i) for i in ids]
+
+
+def _dp_device_rank(parallel_config: Any, local_dp_rank: int | None) -> int:
+    """The local data-parallel rank by which vLLM's GPU worker offsets its
+    device (local rank + rank x world size), or 0 where it adds none (a Ray
+    or external-launcher backend, a replica spanning nodes). None: this
+    engine's own rank, as the worker takes it (``data_parallel_rank_local``,
+    which ``run_engine_core`` sets to the local rank, 0.29 core.py:1303-1305,
+    0.33 core.py:1476-1478, and keeps when a dense model's rank runs as an
+    independent engine, ``reconfigure_for_independent_dp_rank``; else
+    ``data_parallel_index``). The same reading as vLLM's, which has no
+    function for it before 0.33: ``Worker.init_device`` in 0.29-0.32 (0.29
+    gpu_worker.py:353-370), ``ParallelConfig.get_local_gpu_index`` in 0.33
+    (config/parallel.py:842-856, from gpu_worker.py:454); the plugin does not
+    call the latter, so that one reading serves every supported release."""
+    if (
+        parallel_config.distributed_executor_backend in ("ray", "external_launcher")
+        or parallel_config.data_parallel_backend == "ray"
+        or parallel_config.nnodes_within_dp != 1
+    ):
+        return 0
+    if local_dp_rank is None:
+        local_dp_rank = parallel_config.data_parallel_rank_local
+    if local_dp_rank is None:
+        local_dp_rank = parallel_config.data_parallel_index
+    return int(local_dp_rank)
+
+
+def _launched_local_dp_ranks(parallel_config: Any) -> range:
+    """The local data-parallel ranks whose engine cores the first process
+    starts: ``data_parallel_size_local`` of them from ``data_parallel_rank_local``
+    (unset: 0), as ``launch_core_engines`` hands them to
+    ``CoreEngineProcManager`` (0.29 v1/engine/utils.py:1114-1115, 1228-1230
+    and 184; 0.33 v1/engine/utils.py:1215-1216, 1374-1376 and 281)."""
+    start = int(parallel_config.data_parallel_rank_local or 0)
+    return range(start, start + int(parallel_config.data_parallel_size_local))
+
+
+def _nvml_uuid(physical: int) -> str:
+    """The UUID of the GPU at NVML index ``physical`` (no CUDA context)."""
     from vllm.utils.import_utils import import_pynvml
 
     pynvml = import_pynvml()
     pynvml.nvmlInit()
     try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(current_platform.device_id_to_physical_device_id(index))
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(physical))
+        return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvml_free(physical: int) -> int:
+    """Free memory of the GPU at NVML index ``physical`` (no CUDA context)."""
+    from vllm.utils.import_utils import import_pynvml
+
+    pynvml = import_pynvml()
+    pynvml.nvmlInit()
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical)).free)
     finally:
         pynvml.nvmlShutdown()
 
@@ -349,26 +426,43 @@ def _check_fits_before_load(config: Any, cap: int) -> None:
     local workers' KV caches (the cap, or the explicit size under it; see
     ``policy.kv_bytes_before_load``) plus their share of the weights (read from the
     safetensors headers) exceed the free memory of their devices. Any reading
-    that fails skips the check: it only refuses what cannot possibly fit."""
+    that fails skips the check: it only refuses what cannot possibly fit.
+
+    With data parallelism, each local rank this launch starts is checked on
+    its own GPUs (each rank loads the whole model over its own workers): a
+    user of ``--data-parallel-size 2`` expects the launch to stop at once when
+    either rank cannot fit, naming that rank's GPUs. Ranks that name the same
+    devices (the CPU backend's nodes) are checked once, not summed, so the
+    check stays a lower bound."""
     try:
-        devices, workers = _instance_devices(config)
-        if not devices or workers <= 0:
+        parallel_config = config.parallel_config
+        ranks = []
+        seen = set()
+        for rank in _launched_local_dp_ranks(parallel_config):
+            devices, workers = _instance_devices(config, rank)
+            keys = tuple(d.key for d in devices)
+            if devices and workers > 0 and keys not in seen:
+                seen.add(keys)
+                ranks.append((rank, devices, workers, sum(device.free() for device in devices)))
+        if not ranks:
             return
-        free = sum(device.free() for device in devices)
         model_config = config.model_config
         weights = 0
-        if getattr(model_config, "quantization", None) is None:
+        if model_config.quantization is None:
             folder = _local_model_folder(model_config)
             itemsize = getattr(model_config.dtype, "itemsize", None)
             weights = weight_bytes_lower_bound(folder, itemsize) if folder else 0
-        weights = weights * workers // max(1, int(config.parallel_config.world_size))
+        world = max(1, int(parallel_config.world_size))
     except Exception as exc:  # never refuse a start because a reading failed
         logger.debug("KV cache cap: fit check before loading skipped: %r", exc)
         return
-    label = devices[0].label if len(devices) == 1 else " + ".join(d.label for d in devices)
     cache_config = config.cache_config
     kv_bytes = kv_bytes_before_load(cap, cache_config.kv_cache_memory_bytes, cache_config.num_gpu_blocks_override)
-    check_cap_fits_before_load(cap, weights, workers, free, label, kv_bytes)
+    for rank, devices, workers, free in ranks:
+        label = " + ".join(d.label for d in devices)
+        if len(ranks) > 1:
+            label += f" of local data-parallel rank {rank}"
+        check_cap_fits_before_load(cap, weights * workers // world, workers, free, label, kv_bytes)
 
 
 def _local_model_folder(model_config: Any) -> str | None:
@@ -382,7 +476,7 @@ def _local_model_folder(model_config: Any) -> str | None:
 
         return snapshot_download(
             model,
-            revision=getattr(model_config, "revision", None),
+            revision=model_config.revision,
             local_files_only=True,
             allow_patterns=["*.safetensors", "*.json"],
         )
@@ -666,7 +760,12 @@ class _Gate:
     """Whether free memory, not ``--gpu-memory-utilization``, set ``requested``."""
 
 
-_gate: _Gate | None = None
+def _gate_of(cache_config: Any) -> _Gate | None:
+    """The start-up gate of the worker whose ``cache_config`` this is (set
+    there by its gate hook; a later engine has a config of its own)."""
+    return getattr(cache_config, "_kvcl_gate", None)
+
+
 CPU_GATE_SLACK_FRACTION = 0.01
 """On the CPU backend vLLM reads free memory again after our reading; ask for
 1% (at least 16 MiB) less than what was free so that a few pages moving in
@@ -731,7 +830,6 @@ def _ceiling_request_memory(original: Callable) -> Callable:
     # vLLM 0.29-0.31: request_memory(init_snapshot, cache_config); 0.32+ adds
     # external_weight_memory. The arguments are passed on as received.
     def request_memory(init_snapshot: Any, cache_config: Any, *args: Any, **kwargs: Any) -> Any:
-        global _gate
         cap = cap_of(cache_config)
         if cap is None:
             return original(init_snapshot, cache_config, *args, **kwargs)
@@ -739,15 +837,16 @@ def _ceiling_request_memory(original: Callable) -> Callable:
         total, free = int(init_snapshot.total_memory), int(init_snapshot.free_memory)
         utilization = cache_config.gpu_memory_utilization
         ceiling = utilization_ceiling(total, free, utilization, external)
-        device = str(getattr(init_snapshot, "device_", None) or "GPU")
+        device = str(init_snapshot.device_)  # compat.ATTRIBUTES
         if ceiling:
             lowered = copy.copy(cache_config)
             lowered.gpu_memory_utilization = ceiling
             requested = original(init_snapshot, lowered, *args, **kwargs)
         else:
             requested = original(init_snapshot, cache_config, *args, **kwargs)
-        _gate = _Gate(device, total, free, int(requested), bool(ceiling))
-        _log_gate(_gate, utilization)
+        # On the worker's own cache_config, which its determine_available_memory reads.
+        cache_config._kvcl_gate = gate = _Gate(device, total, free, int(requested), bool(ceiling))
+        _log_gate(gate, utilization)
         return requested
 
     return request_memory
@@ -774,12 +873,12 @@ def patch_cpu_worker(module: Any) -> None:
 
 def _ceiling_cpu_worker_init(original: Callable) -> Callable:
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-        global _gate
         cache_config = vllm_config.cache_config
         if cap_of(cache_config) is None or cache_config.kv_cache_memory_bytes is not None:
             # No cap, or an explicit size: vLLM skips the gate itself.
             return original(self, vllm_config, *args, **kwargs)
-        free, total, device = _cpu_free_memory(self)
+        # The node vLLM's gate in __init__ reads (self has no config yet).
+        free, total, device = _cpu_node_memory(_cpu_memory_node(vllm_config.parallel_config))
         utilization = cache_config.gpu_memory_utilization
         ceiling = utilization_ceiling(total, free, utilization, slack=_cpu_gate_slack(free))
         if ceiling:
@@ -788,8 +887,8 @@ def _ceiling_cpu_worker_init(original: Callable) -> Callable:
             original(self, vllm_config, *args, **kwargs)
         finally:
             cache_config.gpu_memory_utilization = utilization
-        _gate = _Gate(device, total, free, int(self.requested_cpu_memory), bool(ceiling))
-        _log_gate(_gate, utilization)
+        cache_config._kvcl_gate = gate = _Gate(device, total, free, int(self.requested_cpu_memory), bool(ceiling))
+        _log_gate(gate, utilization)
         return None
 
     return __init__
@@ -799,18 +898,24 @@ def _lower_cpu_request(worker: Any) -> None:
     """The CPU worker's second gate, as a ceiling: what it requested, at most
     its resident memory plus what is available now (less the slack)."""
     import psutil
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list
 
-    requested = getattr(worker, "requested_cpu_memory", None)
-    if _gate is None or requested is None:
+    gate = _gate_of(worker.cache_config)
+    if gate is None:
         return
-    free, _, _ = _cpu_free_memory(worker)
+    requested = worker.requested_cpu_memory  # compat.ATTRIBUTES
+    # vLLM's second gate reads the first allowed CPU's node (0.29
+    # cpu_worker.py:203-206, 0.33 cpu_worker.py:195-198): the memory node,
+    # except where that is not a visible memory node. The first gate's
+    # request already keeps to the memory node; this only lowers it.
+    free, _, _ = _cpu_node_memory(int(get_allowed_cpu_list()[0].numa_node))
     rss = psutil.Process().memory_info().rss
     ceiling = rss + free - _cpu_gate_slack(free)
     if ceiling < requested:
         worker.requested_cpu_memory = max(ceiling, 0)
-        _gate.requested = worker.requested_cpu_memory
-        _gate.limited_by_free = True
-        _gate.free = min(_gate.free, free)
+        gate.requested = worker.requested_cpu_memory
+        gate.limited_by_free = True
+        gate.free = min(gate.free, free)
 
 
 def _cuda_free_memory(worker: Any) -> tuple[int, int, str]:
@@ -823,15 +928,41 @@ def _cuda_free_memory(worker: Any) -> tuple[int, int, str]:
 
 
 def _cpu_free_memory(worker: Any) -> tuple[int, int, str]:
-    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+    """Available and total memory of the NUMA node the CPU worker's memory
+    (its KV cache too) comes from, and the node's name."""
+    return _cpu_node_memory(_cpu_memory_node(worker.parallel_config))
 
-    node = get_allowed_cpu_list()[0].numa_node
+
+def _cpu_node_memory(node: int) -> tuple[int, int, str]:
+    from vllm.utils.cpu_resource_utils import get_memory_node_info
+
     status = get_memory_node_info(node)
     return int(status.available_memory), int(status.total_memory), f"host memory node {node} (CPU backend)"
 
 
-_worker_cap: CapDecision | None = None
-"""In a worker process: the cap and this worker's budget, once known."""
+def _cpu_memory_node(parallel_config: Any) -> int:
+    """The NUMA node a CPU worker's memory comes from, as vLLM's
+    ``CPUWorker.__init__`` picks it, binds the worker's memory to
+    (``init_cpu_memory_env``) and, in 0.29-0.32, reads at its first gate (0.29
+    cpu_worker.py:45-95; 0.33 cpu_worker.py:48-78, no gate): the node of the first CPU
+    this process may run on or, where that is not a visible memory node
+    (CPU_VISIBLE_MEMORY_NODES; on 0.33 also this data-parallel rank's
+    ``assigned_physical_gpu_ids``), the first visible one. In the worker the
+    allowed CPUs are already the worker's own, before ``__init__``: the
+    multiproc executor starts it, with the ``spawn`` method vLLM sets for
+    the CPU backend (0.29 platforms/cpu.py:347, 0.33 platforms/cpu.py:426), in
+    the OpenMP environment of its CPU list (``configure_omp_envs``, 0.29
+    v1/executor/multiproc_executor.py:188-192 and utils/ompmultiprocessing.py:71-121;
+    0.33 203-207 and 72-121), which the OpenMP runtime applies to the main
+    thread as torch loads."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_visible_memory_node
+
+    node = int(get_allowed_cpu_list()[0].numa_node)
+    if inspect.signature(get_visible_memory_node).parameters:  # vLLM >= 0.33
+        visible = get_visible_memory_node(parallel_config.assigned_physical_gpu_ids)
+    else:
+        visible = get_visible_memory_node()
+    return node if node in visible or not visible else int(visible[0])
 
 
 def _check_cap_fits_instance(read_free: Callable[[Any], tuple[int, int, str]], original: Callable) -> Callable:
@@ -844,7 +975,7 @@ def _check_cap_fits_instance(read_free: Callable[[Any], tuple[int, int, str]], o
             # vLLM allocates exactly this much without measuring.
             free, total, device = read_free(self)
             _decide_together(lambda: check_explicit_size_within_free(min(explicit, cap), cap, free, total, device))
-            _record_worker_cap(int(explicit), cap)
+            _record_worker_cap(self, int(explicit), cap)
             return original(self, *args, **kwargs)
         if read_free is _cpu_free_memory:
             _lower_cpu_request(self)
@@ -853,8 +984,8 @@ def _check_cap_fits_instance(read_free: Callable[[Any], tuple[int, int, str]], o
             # vLLM's own profiling runs inside the shared decision too, so a
             # rank where it raises still tells the others.
             budget = original(self, *args, **kwargs)
-            _record_worker_cap(int(budget), cap)
-            gate = _gate
+            _record_worker_cap(self, int(budget), cap)
+            gate = _gate_of(self.cache_config)
             if gate is not None and gate.limited_by_free:
                 check_cap_within_instance(cap, int(budget), gate.free, gate.requested - int(budget), gate.device)
             return budget
@@ -864,9 +995,18 @@ def _check_cap_fits_instance(read_free: Callable[[Any], tuple[int, int, str]], o
     return determine_available_memory
 
 
-def _record_worker_cap(budget: int, cap: int) -> None:
-    global _worker_cap
-    _worker_cap = CapDecision(budget=budget, cap=cap)
+def _record_worker_cap(worker: Any, budget: int, cap: int) -> None:
+    """Keep the cap and this worker's budget on the compilation config of
+    the worker's engine: its model runner calls that config's
+    ``resolve_cudagraph_mode_and_sizes`` once the KV cache is sized, and an
+    engine built later in the same process has a config of its own."""
+    worker.vllm_config.compilation_config._kvcl_cap_decision = CapDecision(budget=budget, cap=cap)
+
+
+def cap_decision_of(compilation_config: Any) -> CapDecision | None:
+    """The cap decision of the worker whose engine this compilation config
+    belongs to (None: no cap in force there)."""
+    return getattr(compilation_config, "_kvcl_cap_decision", None)
 
 
 def _decide_together(step: Callable[[], Any]) -> Any:
@@ -943,7 +1083,7 @@ def _name_cap_when_mamba_blocks_short(original: Callable) -> Callable:
         try:
             return original(self, *args, **kwargs)
         except ValueError:
-            decision = _worker_cap
+            decision = cap_decision_of(self)
             bound = signature.bind(self, *args, **kwargs).arguments
             kv_cache_config, max_num_reqs = bound.get("kv_cache_config"), bound.get("max_num_reqs")
             if (
@@ -951,7 +1091,7 @@ def _name_cap_when_mamba_blocks_short(original: Callable) -> Callable:
                 or not decision.bound
                 or kv_cache_config is None
                 or max_num_reqs is None
-                or not getattr(kv_cache_config, "has_mamba_layers", False)
+                or not kv_cache_config.has_mamba_layers
                 or max_num_reqs <= kv_cache_config.num_blocks
             ):
                 raise

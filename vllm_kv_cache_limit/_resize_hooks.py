@@ -79,6 +79,9 @@ def _optional(qualname: str, apply: Callable[[], None]) -> None:
 
 
 def _require_hooks() -> None:
+    """Refuse, naming each, when a resize hook could not be applied or a
+    function or attribute resizing relies on does not fit this vLLM (checked
+    once per process: in the engine core, and in the client's process)."""
     global _called_checked
     if not _called_checked:
         _called_checked = True
@@ -86,6 +89,8 @@ def _require_hooks() -> None:
             problem = _problem(qualname)
             if problem:
                 unavailable[qualname] = f"{qualname}: {problem}"
+        for problem in compat.check_attributes_at_startup(compat.RESIZE_ATTRIBUTES):
+            unavailable[problem] = problem
     if unavailable:
         raise KVCacheResizeError(
             "Run-time KV cache resize is unavailable in this vLLM: " + "; ".join(sorted(unavailable.values()))
@@ -121,6 +126,12 @@ class _Limit:
                 pool._maybe_evict_cached_block(block)
             pool.free_block_queue.remove(block)
             self.withheld.add(block.block_id)
+
+    def release_due(self) -> bool:
+        """Whether every block above the limit is withheld (none is in use)
+        while their pages have not been returned at this limit yet."""
+        above = self.allocation.num_blocks - self.limit
+        return above > 0 and self.released_from != self.limit and len(self.withheld) == above
 
 
 def patch_block_pool(module: Any) -> None:
@@ -179,6 +190,63 @@ def add_engine_core_methods(module: Any) -> None:
         module.EngineCore.kv_cache_limit_status = _kv_cache_limit_status
 
     _optional("EngineCore", apply)
+    for name in ("step", "step_with_batch_queue", "abort_requests"):
+        _optional(f"EngineCore.{name}", functools.partial(_wrap, module.EngineCore, name, _release_after))
+
+
+def _release_after(original: Callable) -> Callable:
+    """Why: the pages of the blocks above a lowered limit go back to the OS
+    once none of them is in use, whoever is or is not polling. How: wraps
+    ``EngineCore.step`` (and ``step_with_batch_queue``, ``abort_requests``:
+    blocks are freed as requests finish in a step or are aborted between
+    steps) to release them after the original returns, between steps; an
+    abort processed inside a step leaves it to that step. Without a limit
+    the original runs alone. Upstream: none yet (a resizable block pool)."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _limit_of(self) is None or getattr(self, "_kvcl_in_step", False):
+            return original(self, *args, **kwargs)
+        self._kvcl_in_step = True
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            self._kvcl_in_step = False
+        _release_if_due(self)
+        return result
+
+    return method
+
+
+def _limit_of(engine_core: Any) -> _Limit | None:
+    """The run-time limit on an engine core's block pool, if one was set."""
+    manager = getattr(engine_core.scheduler, "kv_cache_manager", None)  # None: a model without KV cache
+    return None if manager is None else getattr(manager.block_pool, "_kvcl_limit", None)
+
+
+def _release_if_due(engine_core: Any) -> None:
+    """Return the pages of the blocks above the limit to the OS (through the
+    workers) once none of them is in use; a failure is logged, never raised
+    into vLLM's step, and the pages then stay allocated."""
+    state = _limit_of(engine_core)
+    if state is None or not state.release_due():
+        return
+    num_blocks = state.allocation.num_blocks
+    try:
+        state.released_bytes = _worker_pages(engine_core, state.limit, num_blocks, release=True)
+    except Exception:
+        state.released_bytes = 0
+        logger.exception(
+            "Returning the KV cache pages of blocks %d-%d to the OS failed; they stay allocated.",
+            state.limit,
+            num_blocks - 1,
+        )
+    state.released_from = state.limit
+    logger.info(
+        "KV cache limit holds: %s of blocks %d-%d returned to the OS.",
+        format_size(state.released_bytes),
+        state.limit,
+        num_blocks - 1,
+    )
 
 
 def _allocation(engine_core: Any) -> Allocation:
@@ -261,6 +329,7 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
         mode,
         old,
     )
+    _release_if_due(self)  # nothing above the limit in use (idle, or all preempted)
     return _kv_cache_limit_status(self)
 
 
@@ -288,15 +357,28 @@ def _preempt_above(scheduler: Any, limit: int) -> None:
         if any(b >= limit for group in manager.get_blocks(request.request_id).get_block_ids() for b in group)
     ]
     timestamp = time.monotonic()
+    extra = {"drop_stale_output": True} if _preempt_drops_stale_output() else {}
     for request in reversed(victims):
         scheduler.running.remove(request)
-        try:
-            scheduler._preempt_request(request, timestamp, drop_stale_output=True)
-        except TypeError:  # vLLM releases whose _preempt_request has no drop_stale_output
-            scheduler._preempt_request(request, timestamp)
+        scheduler._preempt_request(request, timestamp, **extra)
         scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
     if victims:
         logger.info("Preempted %d running request(s) holding blocks above the new KV cache limit.", len(victims))
+
+
+@functools.cache
+def _preempt_drops_stale_output() -> bool:
+    """Whether this vLLM's ``Scheduler._preempt_request`` takes
+    ``drop_stale_output`` (0.32+; a preempted request's output of the step
+    in flight is then dropped), read once from its signature as
+    ``compat.RESIZE_HOOKS`` resolves it: never by trying a call, which could
+    preempt twice."""
+    import inspect
+
+    preempt, problem = compat.resolve_hook(compat.get_hook("Scheduler._preempt_request", compat.RESIZE_HOOKS))
+    if preempt is None:
+        raise KVCacheResizeError(f"Run-time KV cache resize is unavailable in this vLLM: {problem}")
+    return "drop_stale_output" in inspect.signature(preempt).parameters  # type: ignore[arg-type]
 
 
 def _give_back(pool: Any, state: _Limit) -> None:
@@ -322,8 +404,8 @@ def _grow(engine_core: Any, pool: Any, state: _Limit) -> None:
 
 
 def _kv_cache_limit_status(self: Any) -> dict[str, Any]:
-    """The limit in force and the blocks in use; releases the pages of the
-    withheld blocks once none above the limit is in use."""
+    """The limit in force and the blocks in use; only reads (the engine core
+    releases the pages itself, see ``_release_after``)."""
     try:
         _require_hooks()
     except KVCacheResizeError as exc:
@@ -337,17 +419,6 @@ def _kv_cache_limit_status(self: Any) -> dict[str, Any]:
     free = pool.get_num_free_blocks()
     in_use = num_blocks - resize.NULL_BLOCKS - free - len(state.withheld)
     above = sum(1 for block in pool.blocks[state.limit :] if block.ref_cnt > 0 and not block.is_null)
-    if above == 0 and state.limit < num_blocks and state.released_from != state.limit:
-        state.released_bytes = _worker_pages(self, state.limit, num_blocks, release=True)
-        state.released_from = state.limit
-        logger.info(
-            "KV cache limit holds: %s of blocks %d-%d returned to the OS.",
-            format_size(state.released_bytes),
-            state.limit,
-            num_blocks - 1,
-        )
-    elif state.limit >= num_blocks:
-        state.released_bytes, state.released_from = 0, None
     return resize.status(
         state.allocation, state.limit, state.requested, state.mode, in_use, above, state.released_bytes
     )
@@ -423,6 +494,7 @@ def kv_cache_limit_rss_fall(self: Any) -> int:
 
 
 def _client(engine: Any) -> Any:
+    _require_hooks()  # the client's attributes too (compat.RESIZE_ATTRIBUTES)
     engine = getattr(engine, "llm_engine", engine)  # LLM -> LLMEngine
     return engine.engine_core
 
@@ -438,12 +510,15 @@ def _call(engine: Any, method: str, *args: Any) -> dict[str, Any]:
 
 async def _call_async(engine: Any, method: str, *args: Any) -> dict[str, Any]:
     client = _client(engine)
-    engines = list(getattr(client, "core_engines", None) or ())
-    if len(engines) < 2 or not hasattr(client, "_call_utility_async"):
+    engines = list(client.core_engines)  # every AsyncLLM client is an MPClient
+    if len(engines) < 2:
         return _checked(await client.call_utility_async(method, *args))
     # Data parallel: every engine core has its own scheduler and workers, and
     # vLLM's client sends a utility call to one of them (or to all, keeping
     # the first reply). Each gets the call, and the replies are merged.
+    problem = _problem("AsyncMPClient._call_utility_async")
+    if problem:
+        raise KVCacheResizeError(f"Run-time KV cache resize with data parallel is unavailable in this vLLM: {problem}")
 
     async def each(call: str, *values: Any) -> list[Any]:
         return await asyncio.gather(*(client._call_utility_async(call, *values, engine=e) for e in engines))

@@ -13,6 +13,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from vllm_kv_cache_limit import envs
 from vllm_kv_cache_limit.sizes import format_gib, format_size, parse_size
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 FLAG = "--kv-cache-max-memory"
-ENV_VAR = "VLLM_KV_CACHE_MAX_MEMORY"
+ENV_VAR = envs.MAX_MEMORY
 
 
 class KVCacheMaxMemoryError(ValueError):

@@ -29,14 +29,16 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from vllm_kv_cache_limit import envs
+
 logger = logging.getLogger("vllm.plugins.kv_cache_limit")
 
-LOCK_ENV = "VLLM_KV_CACHE_LIMIT_STARTUP_LOCK"
+LOCK_ENV = envs.STARTUP_LOCK
 """``0`` turns the start-up lock off (it is on whenever a cap is set)."""
-LOCK_DIR_ENV = "VLLM_KV_CACHE_LIMIT_LOCK_DIR"
+LOCK_DIR_ENV = envs.LOCK_DIR
 """Folder of the lock files; every instance sharing a device must use the
 same one (mount it into containers that share a GPU)."""
-LOCK_TIMEOUT_ENV = "VLLM_KV_CACHE_LIMIT_LOCK_TIMEOUT"
+LOCK_TIMEOUT_ENV = envs.LOCK_TIMEOUT
 """Seconds to wait for a device's lock before starting without it."""
 DEFAULT_TIMEOUT_S = 600.0
 POLL_S = 0.1

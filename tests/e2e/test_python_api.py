@@ -59,3 +59,52 @@ def test_excluded_plugin_leaves_vllm_as_without_it(tiny_model: str) -> None:
     proc = run_script(tiny_model, VLLM_PLUGINS="some_other_plugin")
     assert proc.returncode != 0
     assert "unexpected keyword argument 'kv_cache_max_memory'" in proc.stderr
+
+
+TWO_ENGINES = """
+import gc, sys
+
+from vllm_kv_cache_limit.probe import worker_kv_cache_bytes
+
+if __name__ == "__main__":
+    from vllm import LLM
+    for attempt in range(2):
+        # The second engine also sees what the first one left in this
+        # process's environment (the plugin's internal values).
+        llm = LLM(sys.argv[1], max_model_len=512, gpu_memory_utilization=0.25, enforce_eager=True,
+                  fail_on_environ_validation=True)
+        print("KV_BYTES", llm.collective_rpc(worker_kv_cache_bytes)[0], flush=True)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+"""
+
+
+@pytest.mark.smoke
+def test_documented_variables_pass_vllms_environment_validation(tiny_model: str, tmp_path) -> None:
+    """vLLM checks every VLLM_* variable against its own table and, with
+    fail_on_environ_validation, refuses unknown ones: the plugin's documented
+    variables (and what it sets itself) must pass, twice in one process, and
+    the cap from the environment must hold exactly."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "fail_on_environ_validation" not in EngineArgs.__dataclass_fields__:
+        pytest.skip("this vLLM has no fail_on_environ_validation")
+    env = {
+        "VLLM_KV_CACHE_MAX_MEMORY": "16M",
+        "VLLM_KV_CACHE_LIMIT_STARTUP_LOCK": "1",
+        "VLLM_KV_CACHE_LIMIT_LOCK_DIR": str(tmp_path / "locks"),
+        "VLLM_KV_CACHE_LIMIT_LOCK_TIMEOUT": "600",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", TWO_ENGINES, tiny_model],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=engine_env(**env),
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    kv = [line for line in proc.stdout.splitlines() if line.startswith("KV_BYTES")]
+    assert kv == [f"KV_BYTES {16 * 2**20}"] * 2, output[-4000:]
+    assert "Unknown vLLM environment variable" not in output, output[-4000:]

@@ -18,7 +18,7 @@ import requests
 from tests.e2e.conftest import (
     api_servers,
     available_at_most,
-    ballast,
+    ballast_until,
     complete,
     engine_env,
     node_memory,
@@ -181,12 +181,12 @@ def test_cap_that_cannot_fit_fails_before_weights_load(tiny_model: str, tmp_path
     left, which would have fit without the ballast, fails in the first
     process, before any engine process starts."""
     before, _ = node_memory()
-    with ballast(before * 3 // 4):
-        during, _ = node_memory()
-        # The premise: the ballast holds memory (the node may grow as memory is
-        # used, so not all of it shows) ...
-        assert during < before - GiB, (before, during)
+    # The premise: ballast lowers the node's available memory by more than a
+    # GiB, so that the cap (256 MiB above what is then left) would have fit
+    # without it.
+    with ballast_until(lambda available, _: available < before - GiB, "the ballast lowers available by 1 GiB"):
         result, log, seen = run_driver(tiny_model, tmp_path, below=-256 * MiB)
+    assert result["available"] < before - GiB, (result, before)  # as the driver read it
     assert result["cap"] < before  # ... and the cap would have fit without it
     error = result["error"]
     assert error and error["type"] == "KVCacheMaxMemoryError", (error, log[-3000:])

@@ -43,7 +43,8 @@ def script() -> ModuleType:
 
 def hook_source_files(installed_root: Path) -> set[Path]:
     """The installed vLLM files that the hooks live in: the modules named in
-    HOOKS, PLANNER_APIS and RESIZE_HOOKS and the modules that define what those re-export."""
+    HOOKS, PLANNER_APIS and RESIZE_HOOKS and the modules that define what those re-export;
+    and the modules of the classes in ATTRIBUTES and RESIZE_ATTRIBUTES."""
     files = set()
     for hook in (*compat.HOOKS, *compat.PLANNER_APIS, *compat.RESIZE_HOOKS):
         for module_name in hook.modules:
@@ -51,6 +52,11 @@ def hook_source_files(installed_root: Path) -> set[Path]:
             if path.is_file():
                 files.add(path)
         files.add(installed_root.joinpath(*defining_module(hook.qualname).split(".")).with_suffix(".py"))
+    for attribute in (*compat.ATTRIBUTES, *compat.RESIZE_ATTRIBUTES):
+        for module_name in attribute.modules:
+            path = installed_root.joinpath(*module_name.split(".")).with_suffix(".py")
+            if path.is_file() and module_name.startswith("vllm."):
+                files.add(path)
     return files
 
 
@@ -285,6 +291,8 @@ def test_docs_hooks_table_is_generated_from_hooks(script: ModuleType) -> None:
         assert f"`{hook.qualname}`" in text
         if hook.wrapper:
             assert hook.upstream and hook.remove_when, hook.qualname
+    for attribute in (*compat.ATTRIBUTES, *compat.RESIZE_ATTRIBUTES):
+        assert f"| `{attribute.qualname}` |" in text
 
 
 def test_every_wrapper_named_in_hooks_exists() -> None:
@@ -293,3 +301,299 @@ def test_every_wrapper_named_in_hooks_exists() -> None:
     for hook in compat.HOOKS:
         if hook.wrapper:
             assert callable(getattr(_hooks, hook.wrapper)), hook.wrapper
+
+
+# ---------------------------------------------------------------------------
+# Attributes of vLLM objects (compat.ATTRIBUTES, compat.RESIZE_ATTRIBUTES)
+# ---------------------------------------------------------------------------
+
+ALL_ATTRIBUTES = (*compat.ATTRIBUTES, *compat.RESIZE_ATTRIBUTES)
+
+
+def test_installed_vllm_has_every_attribute() -> None:
+    assert compat.check_attributes() == []
+    assert compat.check_attributes(compat.RESIZE_ATTRIBUTES) == []
+
+
+def test_attribute_source_check_agrees_with_import_check(installed_root: Path) -> None:
+    """On the installed vLLM's source both checks find every entry, and both
+    name every entry once its attribute is renamed (no entry passes by
+    accident); Python's standard library entries are left to the import check."""
+    assert compat.check_attributes_in_source(installed_root) == []
+    assert compat.check_attributes_in_source(installed_root, compat.RESIZE_ATTRIBUTES) == []
+    renamed = tuple(replace(a, attr=f"{a.attr}_renamed") for a in ALL_ATTRIBUTES)
+    live = compat.check_attributes(renamed)
+    assert len(live) == len(renamed)
+    assert all(problem.endswith(f".{a.qualname} is missing") for problem, a in zip(live, renamed)), live
+    in_source = compat.check_attributes_in_source(installed_root, renamed)
+    assert in_source == [problem for problem, a in zip(live, renamed) if not a.not_in_source]
+    assert {a.modules[0].partition(".")[0] for a in renamed if a.not_in_source} == {"argparse", "dataclasses"}
+
+
+def test_attributes_named_in_issue_18_are_listed() -> None:
+    """Every private attribute the plugin was found to rely on without a check."""
+    listed = {(a.modules[0], a.qualname) for a in ALL_ATTRIBUTES}
+    assert {
+        ("vllm.v1.core.kv_cache_utils", "KVCacheBlock.prev_free_block"),
+        ("vllm.v1.core.sched.scheduler", "Scheduler.prev_step_scheduled_req_ids"),
+        ("vllm.v1.core.sched.scheduler", "Scheduler.running"),
+        ("vllm.v1.worker.cpu_worker", "CPUWorker.requested_cpu_memory"),
+        ("vllm.utils.mem_utils", "MemorySnapshot.device_"),
+        ("vllm.v1.engine.core_client", "MPClient.core_engines"),
+        ("vllm.v1.worker.worker_base", "WorkerBase.model_runner"),
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.kv_caches"),
+        ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.kv_caches"),
+        ("argparse", "ArgumentParser._actions"),
+        ("argparse", "ArgumentParser._action_groups"),
+        ("dataclasses", "_FIELD"),
+    } <= listed
+    # Called, not read: a hook, checked where resizing checks its attributes.
+    assert "AsyncMPClient._call_utility_async" in {h.qualname for h in compat.RESIZE_HOOKS}
+
+
+STANDIN_BASE = """
+class Base:
+    def __init__(self):
+        self.inherited = 0
+"""
+
+STANDIN_BLOCKS = """
+from dataclasses import dataclass
+
+from .base import Base
+
+NULL_BLOCK = 0
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    prev_free_block: "Block | None" = None
+
+
+class Pool(Base):
+    __slots__ = ("slot",)
+    limit = 0
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks: list = list(blocks)
+        self.free_block_queue, self.enable_caching = None, True
+        text = \"\"\"
+a string at column 0 in a method
+\"\"\"
+
+    @property
+    def usage(self):
+        return 0.0
+"""
+
+STANDIN_ENTRIES = {
+    "Block.prev_free_block": ('    prev_free_block: "Block | None" = None\n', ""),
+    "Block.block_id": ("    block_id: int\n", ""),
+    "Pool.blocks": ("self.blocks: list = list(blocks)", "self.block_list: list = list(blocks)"),
+    "Pool.free_block_queue": ("self.free_block_queue, self", "self.free_queue, self"),
+    "Pool.enable_caching": ("self.enable_caching = None, True", "self.caching = None, True"),
+    "Pool.usage": ("def usage(self)", "def get_usage(self)"),
+    "Pool.slot": ('__slots__ = ("slot",)', "__slots__ = ()"),
+    "Pool.limit": ("limit = 0", "max_blocks = 0"),
+    "Pool.inherited": ("self.inherited = 0", "self.parent = 0"),
+    "NULL_BLOCK": ("NULL_BLOCK = 0", "NULL = 0"),
+}
+"""Attribute of the stand-in -> the edit of its source that removes it."""
+
+
+def write_standin(root: Path, package: str, cut: str | None = None) -> tuple[compat.Attribute, ...]:
+    """A stand-in vLLM module ``package.blocks`` under ``root`` (a dataclass
+    with slots, a class whose base comes from ``package.base``), with the
+    attribute ``cut`` removed; its entries, as ``ATTRIBUTES`` would list them."""
+    (root / package).mkdir(parents=True)
+    base, blocks = STANDIN_BASE, STANDIN_BLOCKS
+    if cut is not None:
+        old, new = STANDIN_ENTRIES[cut]
+        if old in base:
+            base = base.replace(old, new)
+        else:
+            assert blocks.count(old) == 1, old
+            blocks = blocks.replace(old, new)
+    (root / package / "__init__.py").write_text("")
+    (root / package / "base.py").write_text(base)
+    (root / package / "blocks.py").write_text(blocks)
+    entries = []
+    for qualname in STANDIN_ENTRIES:
+        owner, _, attr = qualname.rpartition(".")
+        entries.append(compat.Attribute((f"{package}.blocks",), owner, attr, "stand-in"))
+    return tuple(entries)
+
+
+@pytest.fixture
+def standin_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A folder on ``sys.path`` for stand-in packages, removed from ``sys.modules`` afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [n for n in sys.modules if n.startswith("kvcl_standin_")]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("cut", sorted(STANDIN_ENTRIES))
+def test_attribute_removed_from_a_stand_in_class_is_named_by_both_checks(standin_root: Path, cut: str) -> None:
+    """An attribute removed from a stand-in class (a dataclass field with
+    slots, ``self.x = ...`` and ``self.x: T = ...`` in ``__init__``, a tuple
+    target, a property, ``__slots__``, a class attribute, ``self.x`` set by a
+    base in another module, a module attribute): the import check and the
+    source check both name it, and nothing else; the whole stand-in fits."""
+    entries = write_standin(standin_root, "kvcl_standin_full")
+    importlib.invalidate_caches()
+    assert compat.check_attributes(entries) == []
+    assert compat.check_attributes_in_source(standin_root, entries) == []
+
+    entries = write_standin(standin_root, "kvcl_standin_cut", cut)
+    importlib.invalidate_caches()
+    expected = [f"kvcl_standin_cut.blocks.{cut} is missing"]
+    assert compat.check_attributes(entries) == expected
+    assert compat.check_attributes_in_source(standin_root, entries) == expected
+
+
+def test_missing_class_is_named(standin_root: Path) -> None:
+    entries = write_standin(standin_root, "kvcl_standin_owner")
+    gone = (replace(entries[0], owner="FreeBlock"),)
+    expected = [
+        "kvcl_standin_owner.blocks.FreeBlock.prev_free_block is missing (no class FreeBlock in kvcl_standin_owner.blocks)"
+    ]
+    assert compat.check_attributes(gone) == expected
+    assert compat.check_attributes_in_source(standin_root, gone) == expected
+
+
+@pytest.mark.parametrize(
+    ("module", "pattern", "replacement", "expected"),
+    [
+        (
+            "vllm.v1.core.kv_cache_utils",
+            r"^\s*prev_free_block: .*\n",
+            "",
+            "vllm.v1.core.kv_cache_utils.KVCacheBlock.prev_free_block is missing",
+        ),
+        (
+            "vllm.v1.core.sched.scheduler",
+            r"self\.prev_step_scheduled_req_ids\b",
+            "self.prev_step_req_ids",
+            "vllm.v1.core.sched.scheduler.Scheduler.prev_step_scheduled_req_ids is missing",
+        ),
+        (
+            "vllm.v1.worker.cpu_worker",
+            r"self\.requested_cpu_memory = ",
+            "self.requested_memory = ",
+            "vllm.v1.worker.cpu_worker.CPUWorker.requested_cpu_memory is missing",
+        ),
+        (
+            "vllm.v1.engine.core_client",
+            r"self\.core_engines: list\[EngineIdentity\] =",
+            "self.engine_identities: list[EngineIdentity] =",
+            "vllm.v1.engine.core_client.MPClient.core_engines is missing",
+        ),
+    ],
+)
+def test_source_check_names_attribute_removed_from_vllm_source(
+    source_copy: Path, module: str, pattern: str, replacement: str, expected: str
+) -> None:
+    """What CI reads in a wheel: a copy of the installed vLLM's source, with
+    one attribute gone; the hooks still fit."""
+    assert compat.check_attributes_in_source(source_copy, ALL_ATTRIBUTES) == []
+    edit(source_copy, module, pattern, replacement)
+    assert compat.check_attributes_in_source(source_copy, ALL_ATTRIBUTES) == [expected]
+
+
+def test_standard_library_attributes_are_checked_live_and_skipped_in_source(installed_root: Path) -> None:
+    """``not_in_source`` entries are checked on the running interpreter (an
+    ``ArgumentParser`` sets ``_actions`` in ``__init__``), never in a vLLM
+    source tree."""
+    stdlib = tuple(a for a in compat.ATTRIBUTES if a.not_in_source)
+    assert {a.qualname for a in stdlib} == {
+        "ArgumentParser._actions",
+        "ArgumentParser._action_groups",
+        "_FIELD",
+        "Field._field_type",
+    }
+    gone = tuple(replace(a, attr=f"{a.attr}_gone") for a in stdlib)
+    assert compat.check_attributes(gone) == [f"{a.name} is missing" for a in gone]
+    assert compat.check_attributes_in_source(installed_root, gone) == []
+
+
+def test_script_names_attributes_a_source_tree_cannot_show(
+    source_copy: Path, script: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One line per group; the attributes line names the standard-library
+    entries it skips, and a missing attribute fails the run, named."""
+    script.main(["--no-installed", "--source", str(source_copy)])
+    lines = capsys.readouterr().out.splitlines()
+    attributes = next(line for line in lines if " attributes fit" in line and "resize" not in line)
+    assert attributes.startswith("OK   source") and f": all {len(compat.ATTRIBUTES) - 4} attributes fit (" in attributes
+    assert "4 more not shown by vLLM's source" in attributes and "argparse.ArgumentParser._actions" in attributes
+    assert any(
+        line.startswith("OK   source") and f"all {len(compat.RESIZE_ATTRIBUTES)} run-time resize attributes fit" in line
+        for line in lines
+    ), lines
+    edit(source_copy, "vllm.v1.core.block_pool", r"self\.enable_caching = ", "self.caching = ")
+    assert script.main(["--no-installed", "--source", str(source_copy)]) == 1
+    out = capsys.readouterr().out
+    assert f"1 of {len(compat.RESIZE_ATTRIBUTES)} run-time resize attributes do not fit:" in out, out
+    assert "  - vllm.v1.core.block_pool.BlockPool.enable_caching is missing" in out, out
+
+
+def test_startup_check_includes_attribute_problems(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a cap, start-up checks ``ATTRIBUTES`` beside the hooks: one of a
+    module already imported (on the live class) and one of a module not
+    imported (in the source), both named in the error."""
+    import vllm.v1.core.kv_cache_utils  # noqa: F401
+
+    loaded = compat.Attribute(("vllm.v1.core.kv_cache_utils",), "KVCacheBlock", "prev_free", "test")
+    unloaded = compat.Attribute(("vllm.v1.worker.cpu_worker",), "CPUWorker", "requested_cpu_memory_v2", "test")
+    monkeypatch.delitem(sys.modules, "vllm.v1.worker.cpu_worker", raising=False)
+    monkeypatch.setattr(compat, "ATTRIBUTES", (*compat.ATTRIBUTES, loaded, unloaded))
+    problems = compat.check_hooks_at_startup()
+    assert problems == [
+        "vllm.v1.core.kv_cache_utils.KVCacheBlock.prev_free is missing",
+        "vllm.v1.worker.cpu_worker.CPUWorker.requested_cpu_memory_v2 is missing",
+    ]
+    assert "vllm.v1.worker.cpu_worker" not in sys.modules
+    message = compat.drift_message(problems)
+    assert "KVCacheBlock.prev_free is missing" in message and "CPUWorker.requested_cpu_memory_v2 is missing" in message
+
+
+def test_capped_start_fails_naming_a_missing_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real start-up path: ``create_engine_config`` with a cap refuses
+    before vLLM's own runs."""
+    from types import SimpleNamespace
+
+    from vllm_kv_cache_limit import _hooks
+    from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
+
+    gone = compat.Attribute(("vllm.utils.mem_utils",), "MemorySnapshot", "device_v2", "test")
+    monkeypatch.setattr(compat, "ATTRIBUTES", (*compat.ATTRIBUTES, gone))
+
+    def original(self):
+        raise AssertionError("vLLM's create_engine_config ran")
+
+    with pytest.raises(KVCacheMaxMemoryError, match=r"vllm\.utils\.mem_utils\.MemorySnapshot\.device_v2 is missing"):
+        _hooks._carry_cap_into_config(original)(SimpleNamespace(kv_cache_max_memory=16 * 2**20))
+
+
+def test_resize_refuses_naming_a_missing_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resizing checks ``RESIZE_ATTRIBUTES`` once per process, in the engine
+    core and before the client touches the engine: it refuses naming it."""
+    from types import SimpleNamespace
+
+    from vllm_kv_cache_limit import _resize_hooks
+    from vllm_kv_cache_limit.resize import KVCacheResizeError
+
+    gone = compat.Attribute(("vllm.v1.core.sched.scheduler",), "Scheduler", "running_queue", "test")
+    monkeypatch.setattr(compat, "RESIZE_ATTRIBUTES", (*compat.RESIZE_ATTRIBUTES, gone))
+    monkeypatch.setattr(_resize_hooks, "unavailable", {})
+    monkeypatch.setattr(_resize_hooks, "_called_checked", False)
+    reply = _resize_hooks._kv_cache_limit_status(SimpleNamespace())
+    assert reply == {
+        "error": "Run-time KV cache resize is unavailable in this vLLM: "
+        "vllm.v1.core.sched.scheduler.Scheduler.running_queue is missing"
+    }
+    with pytest.raises(KVCacheResizeError, match="Scheduler.running_queue is missing"):
+        _resize_hooks.set_kv_cache_max_memory(SimpleNamespace(), "1M")

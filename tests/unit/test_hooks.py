@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_kv_cache_limit import _bootstrap, _hooks, register
+from vllm_kv_cache_limit import _bootstrap, _hooks, envs, register
 from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
 
 GiB = 2**30
@@ -151,7 +151,8 @@ def test_cuda_gate_refuses_without_cap_and_asks_for_free_memory_with_one() -> No
     requested = wrapped(snapshot, config)
     assert 20 * GiB - 1 <= requested <= 20 * GiB
     assert config.gpu_memory_utilization == 0.9  # the caller's config is untouched
-    assert _hooks._gate.limited_by_free and _hooks._gate.free == 20 * GiB
+    gate = _hooks._gate_of(config)  # kept on the worker's own config
+    assert gate is not None and gate.limited_by_free and gate.free == 20 * GiB
     # Weights held by another process (external_weight_memory) count as vLLM counts them.
     with pytest.raises(ValueError, match="engine's budget after excluding"):
         wrapped(snapshot, _cache_config(0.9, None), 10 * GiB)
@@ -172,8 +173,9 @@ def test_cuda_gate_with_the_two_argument_request_memory_of_vllm_0_29_to_0_31() -
     snapshot = _snapshot(80 * GiB, 20 * GiB)
     with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
         wrapped(snapshot, _cache_config(0.9, None))
-    assert 20 * GiB - 1 <= wrapped(snapshot, _cache_config(0.9, 8 * GiB)) <= 20 * GiB
-    assert _hooks._gate.limited_by_free
+    config = _cache_config(0.9, 8 * GiB)
+    assert 20 * GiB - 1 <= wrapped(snapshot, config) <= 20 * GiB
+    assert _hooks._gate_of(config).limited_by_free
 
 
 @pytest.mark.parametrize(("utilization", "free"), [(0.9, 79 * GiB), (0.3, 30 * GiB)])
@@ -184,41 +186,47 @@ def test_cuda_gate_unchanged_when_the_utilization_is_free(utilization: float, fr
 
     snapshot = _snapshot(80 * GiB, free)
     expected = request_memory(snapshot, _cache_config(utilization, None))
-    assert _hooks._ceiling_request_memory(request_memory)(snapshot, _cache_config(utilization, 8 * GiB)) == expected
-    assert not _hooks._gate.limited_by_free
+    config = _cache_config(utilization, 8 * GiB)
+    assert _hooks._ceiling_request_memory(request_memory)(snapshot, config) == expected
+    assert not _hooks._gate_of(config).limited_by_free
 
 
-def _gpu_worker(cap: int | None, explicit: int | None = None):
-    return SimpleNamespace(cache_config=SimpleNamespace(kv_cache_max_memory=cap, kv_cache_memory_bytes=explicit))
+def _gpu_worker(cap: int | None, explicit: int | None = None, gate=None):
+    """A GPU worker as the hooks see it; ``gate``: what its start-up gate left."""
+    cache_config = SimpleNamespace(kv_cache_max_memory=cap, kv_cache_memory_bytes=explicit)
+    if gate is not None:
+        cache_config._kvcl_gate = gate
+    return SimpleNamespace(cache_config=cache_config, vllm_config=SimpleNamespace(compilation_config=SimpleNamespace()))
 
 
-def _gate(mocker, *, free: int, requested: int, limited: bool) -> None:
+def _gate(*, free: int, requested: int, limited: bool):
     from vllm_kv_cache_limit import _hooks
 
-    mocker.patch.object(_hooks, "_gate", _hooks._Gate("cuda:0", 80 * GiB, free, requested, limited))
+    return _hooks._Gate("cuda:0", 80 * GiB, free, requested, limited)
 
 
 def test_cuda_cap_above_what_the_instance_can_get_fails_after_profiling(mocker) -> None:
     from vllm_kv_cache_limit import _hooks
 
-    _gate(mocker, free=20 * GiB, requested=20 * GiB, limited=True)
+    gate = _gate(free=20 * GiB, requested=20 * GiB, limited=True)
     original = mocker.Mock(return_value=6 * GiB)  # vLLM's budget after profiling
     wrapped = _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, original)
     with pytest.raises(KVCacheMaxMemoryError) as info:
-        wrapped(_gpu_worker(8 * GiB))
+        wrapped(_gpu_worker(8 * GiB, gate=gate))
     message = str(info.value)
     assert "can still give this instance" in message and "needs 14.00 GiB" in message
     assert "--kv-cache-max-memory 6GiB" in message
-    assert wrapped(_gpu_worker(6 * GiB)) == 6 * GiB
+    assert wrapped(_gpu_worker(6 * GiB, gate=gate)) == 6 * GiB
 
 
 def test_cuda_cap_above_a_utilization_budget_is_not_an_error(mocker) -> None:
     from vllm_kv_cache_limit import _hooks
 
-    _gate(mocker, free=70 * GiB, requested=24 * GiB, limited=False)  # --gpu-memory-utilization 0.3
+    gate = _gate(free=70 * GiB, requested=24 * GiB, limited=False)  # --gpu-memory-utilization 0.3
     original = mocker.Mock(return_value=10 * GiB)
     mem_get_info = mocker.patch("torch.cuda.mem_get_info")
-    assert _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, original)(_gpu_worker(40 * GiB)) == 10 * GiB
+    worker = _gpu_worker(40 * GiB, gate=gate)
+    assert _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, original)(worker) == 10 * GiB
     mem_get_info.assert_not_called()
 
 
@@ -251,21 +259,19 @@ def test_cuda_checks_skipped_without_cap(mocker) -> None:
 
 
 def _cuda_platform(mocker, count: int = 2):
-    platform = mocker.Mock()
-    platform.is_cpu.return_value = False
-    platform.device_type = "cuda"
-    platform.device_count.return_value = count
-    platform.get_device_uuid.side_effect = lambda i: f"GPU-uuid-{i}"
-    platform.device_id_to_physical_device_id.side_effect = lambda i: i
-    mocker.patch("vllm.platforms.current_platform", platform)
-    return platform
+    """``count`` GPUs, CUDA_VISIBLE_DEVICES unset, NVML mocked (see below)."""
+    mocker.patch.dict(os.environ)
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    _nvml(mocker)
+    return _vllm_cuda_platform(mocker, count)
 
 
 def _engine_config(model: str, world: int, quantization: str | None = None):
     import torch
+    from vllm.config import ParallelConfig
 
     return SimpleNamespace(
-        parallel_config=SimpleNamespace(world_size=world),
+        parallel_config=ParallelConfig(tensor_parallel_size=world),
         model_config=SimpleNamespace(model=model, dtype=torch.bfloat16, quantization=quantization, revision=None),
         cache_config=SimpleNamespace(kv_cache_memory_bytes=None, num_gpu_blocks_override=None),
     )
@@ -289,7 +295,7 @@ def test_cuda_fail_fast_weights_plus_caps_against_nvml_free(mocker, tmp_path: Pa
     _hooks._check_fits_before_load(config, (200 * MiB - weights) // 2)  # fits exactly
     with pytest.raises(KVCacheMaxMemoryError) as info:
         _hooks._check_fits_before_load(config, (200 * MiB - weights) // 2 + 1)
-    assert "cuda:0 (GPU-uuid-0) + cuda:1 (GPU-uuid-1)" in str(info.value)
+    assert "GPU 0 (GPU-uuid-0) + GPU 1 (GPU-uuid-1)" in str(info.value)
     assert f"weights take at least 2MiB ({weights} bytes)" in str(info.value)
     assert sorted(c.args[0] for c in nvml.call_args_list) == [0, 0, 1, 1]
     cuda_init.assert_not_called()
@@ -321,8 +327,193 @@ def test_startup_lock_names_each_local_gpu_by_uuid(mocker) -> None:
     from vllm_kv_cache_limit import _hooks
 
     _cuda_platform(mocker, count=4)
-    devices, workers = _hooks._instance_devices(SimpleNamespace(parallel_config=SimpleNamespace(world_size=2)))
+    from vllm.config import ParallelConfig
+
+    devices, workers = _hooks._instance_devices(SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2)))
     assert [d.key for d in devices] == ["GPU-uuid-0", "GPU-uuid-1"] and workers == 2
+
+
+# --- Data parallel: vLLM's own device mapping, device counts and NVML mocked --
+
+
+def _nvml(mocker, free: dict[int, int] | None = None) -> None:
+    """A stand-in for pynvml: the device at NVML index i has UUID GPU-uuid-i."""
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetUUID=lambda handle: f"GPU-uuid-{handle}",
+        nvmlDeviceGetMemoryInfo=lambda handle: SimpleNamespace(free=(free or {}).get(handle, 80 * GiB)),
+    )
+    mocker.patch("vllm.utils.import_utils.import_pynvml", return_value=fake)
+
+
+def _vllm_cuda_platform(mocker, count: int):
+    """vLLM's ``Platform`` with CUDA's device-control variable, so that its own
+    ``device_id_to_physical_device_id`` reads CUDA_VISIBLE_DEVICES; installed
+    where the plugin and vLLM's ``get_physical_gpu_ids_for_local_dp_rank``
+    look it up."""
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    class Cuda(Platform):
+        _enum = PlatformEnum.CUDA
+        device_name = "cuda"
+        device_type = "cuda"
+        device_control_env_var = "CUDA_VISIBLE_DEVICES"
+
+        @classmethod
+        def device_count(cls) -> int:
+            return count
+
+        @classmethod
+        def get_device_uuid(cls, device_id: int = 0) -> str:
+            # As vLLM's NvmlCudaPlatform.get_device_uuid.
+            from vllm.utils.import_utils import import_pynvml
+
+            pynvml = import_pynvml()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(cls.device_id_to_physical_device_id(device_id))
+            return str(pynvml.nvmlDeviceGetUUID(handle))
+
+    platform = Cuda()
+    mocker.patch("vllm.platforms.current_platform", platform)
+    mocker.patch("vllm.v1.engine.utils.current_platform", platform)
+    return platform
+
+
+def _engine_core_parallel_config(tp: int, dp: int, local_dp_rank: int, **kwargs):
+    """The parallel config of a dense model's engine core of local
+    data-parallel rank ``local_dp_rank``, set as vLLM's
+    ``EngineCoreProc.run_engine_core`` sets it (0.33 core.py:1476-1478,
+    1545, 1554): its local rank kept, its data parallelism reduced to one."""
+    from vllm.config import ParallelConfig
+
+    config = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, data_parallel_size_local=dp, **kwargs)
+    if dp > 1:
+        config.data_parallel_rank_local = local_dp_rank
+        config.data_parallel_index = local_dp_rank
+        config.reconfigure_for_independent_dp_rank()
+    return config
+
+
+@pytest.mark.parametrize(
+    ("visible", "count", "dp", "local_dp_rank", "kwargs", "expected"),
+    [
+        # CUDA_VISIBLE_DEVICES unset: rank 1's workers at local offset 1 x world size.
+        (None, 4, 2, 1, {}, [2, 3]),
+        # One CUDA_VISIBLE_DEVICES for the whole launch: offset within it.
+        ("4,5,6,7", 4, 2, 1, {}, [6, 7]),
+        # --device-ids 4,5,6,7: offset within them.
+        (None, 8, 2, 1, {"assigned_physical_gpu_ids": [4, 5, 6, 7]}, [6, 7]),
+        # Narrowed per rank (a server per rank): devices 0 and 1 of the visible ones.
+        ("6,7", 2, 1, 0, {}, [6, 7]),
+    ],
+)
+def test_engine_core_locks_the_gpus_of_its_data_parallel_rank(
+    mocker, monkeypatch, visible: str | None, count: int, dp: int, local_dp_rank: int, kwargs: dict, expected: list
+) -> None:
+    """vLLM's GPU worker offsets its device by the local data-parallel rank x
+    the world size (0.29 gpu_worker.py:353-370, 0.33 gpu_worker.py:454 and
+    config/parallel.py:842-856); the engine core names the same GPUs."""
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    _vllm_cuda_platform(mocker, count)
+    _nvml(mocker)
+    config = SimpleNamespace(parallel_config=_engine_core_parallel_config(2, dp, local_dp_rank, **kwargs))
+    devices, workers = _hooks._instance_devices(config)
+    assert [d.key for d in devices] == [f"GPU-uuid-{i}" for i in expected] and workers == 2
+
+
+def test_ray_data_parallel_engine_core_takes_the_gpus_vllm_assigned_it(mocker, monkeypatch) -> None:
+    """With Ray data parallelism vLLM gives each engine-core actor its rank's
+    GPUs in ``assigned_physical_gpu_ids`` (0.33 core.py:2707-2729, 2741-2775)
+    and its workers add no offset (0.29 gpu_worker.py:353-358, 0.33
+    config/parallel.py:846-850): rank 1 names GPUs 2 and 3, once."""
+    from vllm.v1.engine.utils import get_physical_gpu_ids_for_local_dp_rank
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _vllm_cuda_platform(mocker, 4)
+    _nvml(mocker)
+    parallel_config = _engine_core_parallel_config(2, 2, 1, data_parallel_backend="ray")
+    parallel_config.assigned_physical_gpu_ids = get_physical_gpu_ids_for_local_dp_rank("CUDA_VISIBLE_DEVICES", 1, 2)
+    devices, workers = _hooks._instance_devices(SimpleNamespace(parallel_config=parallel_config))
+    assert [d.key for d in devices] == ["GPU-uuid-2", "GPU-uuid-3"] and workers == 2
+
+
+def test_fail_fast_checks_each_local_data_parallel_rank_on_its_own_gpus(mocker, monkeypatch, tmp_path: Path) -> None:
+    """In the first process, ``vllm serve --data-parallel-size 2
+    --tensor-parallel-size 2`` starts local ranks 0 and 1 (0.33
+    v1/engine/utils.py:1215-1216, 1374-1376; CoreEngineProcManager 281):
+    rank 1 loads onto GPUs 2 and 3, and GPU 3 has too little free."""
+    import torch
+    from safetensors.torch import save_file
+    from vllm.config import ParallelConfig
+
+    save_file({"w": torch.zeros(1024, 1024, dtype=torch.float32)}, tmp_path / "model.safetensors")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _vllm_cuda_platform(mocker, 4)
+    _nvml(mocker, {0: 40 * GiB, 1: 40 * GiB, 2: 40 * GiB, 3: 10 * GiB})
+    config = SimpleNamespace(
+        parallel_config=ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, data_parallel_size_local=2),
+        model_config=SimpleNamespace(model=str(tmp_path), dtype=torch.bfloat16, quantization=None, revision=None),
+        cache_config=SimpleNamespace(kv_cache_memory_bytes=None, num_gpu_blocks_override=None),
+    )
+    _hooks._check_fits_before_load(config, 24 * GiB)  # 2 x 24 GiB + weights fit in 50 GiB
+    with pytest.raises(KVCacheMaxMemoryError) as info:
+        _hooks._check_fits_before_load(config, 25 * GiB)
+    message = str(info.value)
+    assert "GPU 2 (GPU-uuid-2) + GPU 3 (GPU-uuid-3) of local data-parallel rank 1" in message, message
+    assert "--kv-cache-max-memory 24.99GiB" in message, message
+
+
+def test_cpu_gate_reads_the_memory_node_vllm_binds_the_worker_to(mocker, monkeypatch) -> None:
+    """vLLM's own ``CPUWorker.__init__``, run here: it takes the worker's memory
+    from the first allowed CPU's node, or, when that node is not a visible
+    memory node, from the first visible one, and gates on that node (0.29
+    cpu_worker.py:45-95; 0.33 picks the node alike, cpu_worker.py:48-78).
+    Here the CPUs start on node 0 but the memory is node 1's: the ceiling
+    must come from node 1's free memory."""
+    import torch
+    from vllm.config import ParallelConfig
+    from vllm.utils import cpu_resource_utils
+    from vllm.utils.cpu_resource_utils import LogicalCPUInfo, MemoryNodeInfo
+    from vllm.v1.worker import cpu_worker, gpu_worker
+
+    cpus = [LogicalCPUInfo(id=0, physical_core=0, numa_node=0), LogicalCPUInfo(id=1, physical_core=1, numa_node=1)]
+    nodes = {0: MemoryNodeInfo(8 * GiB, 1 * GiB), 1: MemoryNodeInfo(8 * GiB, 6 * GiB)}
+    for module in (cpu_resource_utils, cpu_worker):
+        mocker.patch.object(module, "get_allowed_cpu_list", return_value=cpus)
+        mocker.patch.object(module, "get_memory_node_info", side_effect=nodes.__getitem__)
+    mocker.patch.object(cpu_resource_utils, "get_memory_affinity", return_value=[0, 1])
+    monkeypatch.setenv("CPU_VISIBLE_MEMORY_NODES", "1")
+    bind = mocker.patch.object(torch.ops._C, "init_cpu_memory_env")
+    mocker.patch.object(
+        gpu_worker.Worker,
+        "__init__",
+        autospec=True,
+        side_effect=lambda self, vllm_config, *args, **kwargs: setattr(
+            self, "parallel_config", vllm_config.parallel_config
+        ),
+    )
+    init = cpu_worker.CPUWorker.__init__
+    original = getattr(init, "__wrapped__", init)
+    parallel_config = ParallelConfig()
+
+    def config(cap: int | None) -> SimpleNamespace:
+        return SimpleNamespace(cache_config=_cache_config(0.9, cap), parallel_config=parallel_config)
+
+    with pytest.raises(ValueError, match="less than desired CPU memory utilization"):
+        original(object.__new__(cpu_worker.CPUWorker), config(None), 0, 0, "tcp://127.0.0.1:1")  # 7.2 > 6 GiB
+    bind.assert_called_with([1])  # the premise: vLLM binds the worker's memory to node 1
+    worker = object.__new__(cpu_worker.CPUWorker)
+    capped = config(16 * MiB)
+    _hooks._ceiling_cpu_worker_init(original)(worker, capped, 0, 0, "tcp://127.0.0.1:1")
+    slack = _hooks._cpu_gate_slack(6 * GiB)
+    assert 6 * GiB - slack - MiB <= worker.requested_cpu_memory <= 6 * GiB - slack
+    gate = _hooks._gate_of(capped.cache_config)
+    assert gate is not None and gate.device == "host memory node 1 (CPU backend)"
+    assert _hooks._cpu_free_memory(worker) == (6 * GiB, 8 * GiB, "host memory node 1 (CPU backend)")
 
 
 @pytest.mark.parametrize(("data_parallel_size", "locked"), [(1, True), (2, False)])
@@ -414,9 +605,7 @@ if len(sys.argv) > 1:
 def _run_failing_hook(env_extra: dict[str, str], *args: str) -> str:
     import os
 
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("VLLM_KV_CACHE_MAX_MEMORY", "VLLM_KV_CACHE_LIMIT_ERROR_FILE")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in (envs.MAX_MEMORY, envs.ERROR_FILE)}
     env.update(env_extra)
     proc = subprocess.run(
         [sys.executable, "-c", FAILING_HOOK, *args], capture_output=True, text=True, env=env, timeout=300
@@ -426,7 +615,7 @@ def _run_failing_hook(env_extra: dict[str, str], *args: str) -> str:
 
 def test_hook_failure_under_a_cap_stops_naming_the_hook(tmp_path: Path) -> None:
     # An engine-core or worker process of a capped engine (the relay is armed).
-    out = _run_failing_hook({"VLLM_KV_CACHE_LIMIT_ERROR_FILE": str(tmp_path / "relay")})
+    out = _run_failing_hook({envs.ERROR_FILE: str(tmp_path / "relay")})
     assert "IMPORT_FAILED KVCacheMaxMemoryError" in out, out
     assert "patch_engine_core on vllm.v1.engine.core failed: RuntimeError('simulated hook failure')" in out
     assert "simulated hook failure" in (tmp_path / "relay").read_text()  # reaches the first process
@@ -485,8 +674,11 @@ def test_mamba_block_shortage_names_the_cap_when_it_binds(mocker, decision: str)
         "not bound": CapDecision(budget=cap // 2, cap=cap),
         "bound": CapDecision(budget=GiB, cap=cap),
     }[decision]
-    mocker.patch.object(_hooks, "_worker_cap", worker_cap)
     config = CompilationConfig()
+    if worker_cap is not None:  # as the worker's determine_available_memory leaves it
+        _hooks._record_worker_cap(
+            SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=config)), **vars(worker_cap)
+        )
     config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     kv_cache_config = SimpleNamespace(
         has_mamba_layers=True, num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * 4096)]
@@ -563,3 +755,33 @@ def test_relay_follows_no_planted_symlink(armed_relay: str, tmp_path: Path) -> N
     assert target.read_text() == "untouched"
     assert _hooks.take_relayed_error() is None  # a symlink is not read either
     assert target.read_text() == "untouched"
+
+
+def test_an_engine_built_later_in_the_process_sees_no_earlier_cap(mocker) -> None:
+    """A capped worker's state stays with its engine: an uncapped engine
+    built afterwards in the same process (in-process engines, notebooks)
+    gets vLLM's own errors, not one naming a cap that is not in force."""
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from vllm_kv_cache_limit import _hooks
+
+    register()
+    capped = _gpu_worker(40 * 1024)
+    capped.vllm_config.compilation_config = CompilationConfig()
+    capped.cache_config._kvcl_gate = _gate(free=20 * GiB, requested=20 * GiB, limited=False)
+    # The capped engine's worker: vLLM's budget (1 GiB) is above the cap, so the cap binds.
+    assert _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, mocker.Mock(return_value=GiB))(capped) == GiB
+    assert _hooks.cap_decision_of(capped.vllm_config.compilation_config).bound  # the premise
+    later = _gpu_worker(None)
+    config = CompilationConfig()  # the later, uncapped engine's
+    config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    kv_cache_config = SimpleNamespace(
+        has_mamba_layers=True, num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * 4096)]
+    )
+    with pytest.raises(ValueError) as info:
+        config.resolve_cudagraph_mode_and_sizes(
+            AttentionCGSupport.ALWAYS, "test", kv_cache_config=kv_cache_config, max_num_reqs=16
+        )
+    assert type(info.value) is ValueError and "increase gpu_memory_utilization" in str(info.value)
+    assert _hooks._gate_of(later.cache_config) is None and _hooks.cap_decision_of(config) is None

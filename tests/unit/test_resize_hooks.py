@@ -4,6 +4,8 @@ are withheld, usage is relative to the limit, and a grow gives them back."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from vllm_kv_cache_limit import register
@@ -130,6 +132,7 @@ class _CoreClient:
     def __init__(self, reply: dict) -> None:
         self.reply = reply
         self.calls: list[tuple] = []
+        self.core_engines = [b"\x00\x00"]  # vLLM's MPClient: one engine core's identity
 
     async def call_utility_async(self, method: str, *args):
         self.calls.append((method, *args))
@@ -166,3 +169,40 @@ def test_route_answers_a_failure_inside_vllm_with_500_and_bad_input_with_400(rep
     assert answer.status_code == code, answer.text
     assert answer.json()["error"] == {"message": reply["error"], "type": kind, "param": None, "code": code}
     assert core.calls == [("kv_cache_limit_set", 4096, "preempt")]
+
+
+def _preempting_scheduler(preempt) -> SimpleNamespace:
+    """A scheduler whose one running request holds block 7, above a limit of 4."""
+    request = SimpleNamespace(request_id="r0")
+    manager = SimpleNamespace(get_blocks=lambda request_id: _Blocks([1, 7]))
+    return SimpleNamespace(
+        kv_cache_manager=manager, running=[request], prev_step_scheduled_req_ids={"r0"}, _preempt_request=preempt
+    )
+
+
+def test_preemption_that_fails_with_a_type_error_is_not_retried() -> None:
+    """A TypeError raised inside vLLM after part of the preemption ran must
+    reach the caller (which rolls the change back), not trigger a second
+    preemption of the same request with other arguments."""
+    from vllm_kv_cache_limit import _resize_hooks
+
+    calls = []
+
+    def preempt(request, timestamp, **kwargs):
+        calls.append((request.request_id, kwargs))
+        raise TypeError("unsupported operand type(s) inside vLLM's preemption")
+
+    scheduler = _preempting_scheduler(preempt)
+    with pytest.raises(TypeError, match="inside vLLM"):
+        _resize_hooks._preempt_above(scheduler, 4)
+    assert calls == [("r0", {"drop_stale_output": True})]  # once, with this vLLM's signature
+
+
+def test_preemption_passes_only_the_parameters_this_vllm_has(monkeypatch) -> None:
+    from vllm_kv_cache_limit import _resize_hooks
+
+    calls = []
+    scheduler = _preempting_scheduler(lambda request, timestamp, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(_resize_hooks, "_preempt_drops_stale_output", lambda: False)  # vLLM 0.29-0.31
+    _resize_hooks._preempt_above(scheduler, 4)
+    assert calls == [{}] and scheduler.running == [] and scheduler.prev_step_scheduled_req_ids == set()

@@ -1,0 +1,59 @@
+"""Every environment variable the plugin reads, named once.
+
+The variables a user sets carry vLLM's ``VLLM_`` prefix. vLLM checks every
+``VLLM_*`` variable against ``vllm.envs.environment_variables`` when it
+builds an engine config (``Platform.validate_environ``: a warning, or an
+error with ``--fail-on-environ-validation``), so :func:`register_with_vllm`
+adds those that are set before it checks. The values the plugin hands to
+its own child processes carry no ``VLLM_`` prefix: vLLM never reads them.
+
+Pure: no vLLM import (the start-up hook imports this module).
+"""
+
+from __future__ import annotations
+
+import os
+
+TYPE_CHECKING = False  # no `typing` import: the start-up hook imports this module
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, MutableMapping
+    from typing import Any
+
+MAX_MEMORY = "VLLM_KV_CACHE_MAX_MEMORY"
+"""The cap, when ``--kv-cache-max-memory`` is not given."""
+STARTUP_LOCK = "VLLM_KV_CACHE_LIMIT_STARTUP_LOCK"
+"""``0`` turns the start-up lock off."""
+LOCK_DIR = "VLLM_KV_CACHE_LIMIT_LOCK_DIR"
+"""The folder of the start-up lock files."""
+LOCK_TIMEOUT = "VLLM_KV_CACHE_LIMIT_LOCK_TIMEOUT"
+"""Seconds to wait for a device's start-up lock."""
+
+USER_VARIABLES = (MAX_MEMORY, STARTUP_LOCK, LOCK_DIR, LOCK_TIMEOUT)
+"""The variables a user sets (docs/kv-cache-max-memory.md, docs/sharing-a-device.md)."""
+
+ERROR_FILE = "KV_CACHE_LIMIT_ERROR_FILE"
+"""Internal: set in the first process when a cap is given; an engine-core or
+worker process writes its cap error there, so that the first process raises
+it instead of vLLM's generic "Engine core initialization failed"."""
+INACTIVE_WARNED = "KV_CACHE_LIMIT_INACTIVE_WARNED"
+"""Internal: set once the "plugin is inactive" warning was logged in this
+process tree."""
+
+
+def _reader(name: str) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name)
+
+
+def register_with_vllm(
+    environment_variables: MutableMapping[str, Callable[[], Any]], environ: Mapping[str, str] = os.environ
+) -> list[str]:
+    """Add the plugin's variables that are set in ``environ`` to vLLM's
+    ``environment_variables`` (name -> reader), so that vLLM's check of
+    ``VLLM_*`` variables accepts them; returns the names added. Unset ones
+    are left out: without them vLLM's table stays as vLLM made it."""
+    added = []
+    for name in USER_VARIABLES:
+        if name in environ and name not in environment_variables:
+            environment_variables[name] = _reader(name)
+            added.append(name)
+    return added
