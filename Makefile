@@ -37,7 +37,7 @@ install: $(DEPS)
 	$(VPY) -m pip install -q --no-deps --no-build-isolation --force-reinstall .
 
 $(MODEL)/.complete: | $(DEPS)
-	$(VPY) -m vllm_kv_cache_limit.tiny_model $(MODEL)
+	$(VPY) -m tests.tiny_model $(MODEL)
 
 model: install $(MODEL)/.complete
 
@@ -50,11 +50,15 @@ serve: install model
 test: install
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
-# ruff (lint and format) and mypy, configured in pyproject.toml.
+# ruff (lint and format), mypy and the import contracts (import-linter),
+# configured in pyproject.toml. lint-imports analyses the package as Python
+# finds it: PYTHONPATH makes that this tree, not an installed copy (the .pth
+# start-up hook imports the package in every interpreter).
 lint: $(DEPS)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
 
 check-hooks: install
 	$(VPY) scripts/check_hooks.py $(addprefix --download ,$(CUDA_VERSIONS))
@@ -71,7 +75,7 @@ check-hooks: install
 test-smoke: $(SMOKE_VENV)/.deps
 	$(SMOKE_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation --force-reinstall .
 	$(SMOKE_VENV)/bin/python -c "from vllm_kv_cache_limit import compat; v = compat.installed_vllm_version(); assert v.startswith('$(SMOKE_VERSION)'), v; print('vLLM', v)"
-	$(SMOKE_VENV)/bin/python -m vllm_kv_cache_limit.tiny_model $(MODEL)
+	$(SMOKE_VENV)/bin/python -m tests.tiny_model $(MODEL)
 	$(SMOKE_VENV)/bin/python -m pytest -m smoke -p no:cacheprovider $(PYTEST_ARGS)
 
 # Every CPU build in the window, one after the other.

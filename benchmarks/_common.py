@@ -24,10 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_kv_cache_limit.probe import BASE_ENGINE_ARGS, SHARED_UTILIZATION, engine_env, run_child
-from vllm_kv_cache_limit.tiny_model import REPO_MODEL_DIR
-
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    # Run as `python benchmarks/NAME.py`: what the benchmarks share with the
+    # tests (tests/helpers.py, tests/tiny_model.py) is not in the package.
+    sys.path.insert(0, str(REPO))
+
+from tests.helpers import BASE_ENGINE_ARGS, SHARED_UTILIZATION, engine_env, run_child  # noqa: E402
+from tests.tiny_model import REPO_MODEL_DIR  # noqa: E402
+
 BENCH_DIR = REPO / "benchmarks"
 RESULTS_DIR = BENCH_DIR / "results"
 DEFAULT_MODEL = REPO / REPO_MODEL_DIR
@@ -67,7 +72,7 @@ def model_path(args: argparse.Namespace) -> str:
     """The model to benchmark; builds the tiny Llama when none is given."""
     if args.model:
         return args.model
-    from vllm_kv_cache_limit.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     return str(build_tiny_model(DEFAULT_MODEL))
 

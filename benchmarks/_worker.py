@@ -26,14 +26,14 @@ from typing import Any
 
 from _common import RESULT_PREFIX
 
-from vllm_kv_cache_limit.probe import (
+from tests.helpers import (
     engine_cache_settings,
     enter_engine_process,
     error_result,
     kv_cache_resident_bytes,
-    kv_cache_storages,
     print_result,
 )
+from vllm_kv_cache_limit.kv_cache import kv_cache_storages
 
 
 def _since_launch() -> float | None:

@@ -47,9 +47,10 @@ import _common as c
 ATTRIBUTION = r"""
 import json, sys, time
 from vllm import LLM
-from vllm_kv_cache_limit import _hooks, compat
+from vllm_kv_cache_limit import compat
+from vllm_kv_cache_limit.patches import devices
 before = set(sys.modules)
-t0 = time.perf_counter(); _hooks._device_total_memory(); total = time.perf_counter() - t0
+t0 = time.perf_counter(); devices.device_total_memory(); total = time.perf_counter() - t0
 t0 = time.perf_counter(); problems = compat.check_hooks_at_startup()
 first = time.perf_counter() - t0
 added = sorted(set(sys.modules) - before)

@@ -22,7 +22,7 @@ from pathlib import Path
 import _common as c
 import requests
 
-from vllm_kv_cache_limit.probe import CompletionLoad, api_servers, metric
+from tests.helpers import CompletionLoad, api_servers, metric
 
 ROUTE = "/kv_cache/max_memory"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 96

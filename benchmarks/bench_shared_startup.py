@@ -6,7 +6,7 @@ the same instant, default utilization, with the start-up lock and without it.
 The variants alternate (lock, no lock, no lock, lock, ...). For each launch
 it records when each server answered /health, the time until all did, which
 servers failed to start, and each worker's KV cache bytes (read in the
-worker through ``/collective_rpc`` and ``probe.KVCacheProbe``). "no lock"
+worker through ``/collective_rpc`` and ``tests.helpers.KVCacheProbe``). "no lock"
 sets ``VLLM_KV_CACHE_LIMIT_STARTUP_LOCK=0``. Reports the ratio of the time to
 all-ready, lock / no lock, per round pair.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import _common as c
 import requests
 
-from vllm_kv_cache_limit.probe import api_servers
+from tests.helpers import api_servers
 from vllm_kv_cache_limit.sizes import parse_size
 
 
@@ -42,7 +42,7 @@ def launch(model: str, caps: list[int], lock: bool, folder: Path) -> dict:
             "--kv-cache-max-memory",
             str(cap),
             "--worker-extension-cls",
-            "vllm_kv_cache_limit.probe.KVCacheProbe",
+            "tests.helpers.KVCacheProbe",
         ]
         servers[f"s{i}"] = (args, env)
     row: dict = {"variant": "lock" if lock else "no lock"}

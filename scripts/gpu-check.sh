@@ -101,7 +101,7 @@ else
 fi
 
 # 3. The tiny model (a few seconds; random weights, nothing downloaded).
-if ! "$VPY" -m vllm_kv_cache_limit.tiny_model models/tiny-llama >"$VENV/model.log" 2>&1; then
+if ! "$VPY" -m tests.tiny_model models/tiny-llama >"$VENV/model.log" 2>&1; then
     tail -n 30 "$VENV/model.log"
     line FAIL model "building the tiny model failed ($(elapsed))"
     exit 1

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kv_cache_limit.tiny_model import REPO_MODEL_DIR
+from tests.tiny_model import REPO_MODEL_DIR
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -28,6 +28,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def tiny_model() -> str:
     """The embedded tiny Llama under the repository, built once (shared with
     `make serve` and the benchmarks)."""
-    from vllm_kv_cache_limit.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     return str(build_tiny_model(REPO / REPO_MODEL_DIR))

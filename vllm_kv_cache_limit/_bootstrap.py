@@ -27,21 +27,22 @@ import types  # already loaded by the interpreter's start-up
 PLUGIN_NAME = "vllm_kv_cache_limit"
 """The entry point name, as listed in ``VLLM_PLUGINS``."""
 
-# vLLM module -> hook in ``vllm_kv_cache_limit._hooks`` that patches it.
-HOOKED_MODULES: dict[str, str] = {
-    "vllm.engine.arg_utils": "patch_engine_args",
-    "vllm.config.compilation": "patch_compilation_config",
-    "vllm.v1.engine.core": "patch_engine_core",
-    "vllm.v1.engine.utils": "patch_engine_startup",
-    "vllm.v1.worker.gpu_worker": "patch_gpu_worker",
-    "vllm.v1.worker.cpu_worker": "patch_cpu_worker",
-    # Run-time resize (optional: never stops start-up; see _resize_hooks).
-    "vllm.v1.core.block_pool": "patch_block_pool",
-    "vllm.v1.worker.worker_base": "patch_worker_base",
-    "vllm.entrypoints.common.cli_args": "patch_server_arg_parser",  # vLLM 0.33
-    "vllm.entrypoints.launchers.cli_args": "patch_server_arg_parser",  # vLLM 0.29-0.32
-    "vllm.entrypoints.launchers.app": "patch_server_app",
+HOOKED_MODULES: dict[str, tuple[str, ...]] = {
+    "vllm.engine.arg_utils": ("patches.arg_utils:patch",),
+    "vllm.config.compilation": ("patches.compilation:patch",),
+    "vllm.v1.engine.core": ("patches.engine_core:patch", "resizing.engine_core:patch"),
+    "vllm.v1.engine.utils": ("patches.engine_utils:patch",),
+    "vllm.v1.worker.gpu_worker": ("patches.gpu_worker:patch",),
+    "vllm.v1.worker.cpu_worker": ("patches.cpu_worker:patch",),
+    "vllm.v1.core.block_pool": ("resizing.block_pool:patch",),
+    "vllm.v1.worker.worker_base": ("resizing.worker:patch",),
+    "vllm.entrypoints.common.cli_args": ("resizing.server:patch_arg_parser",),  # vLLM 0.33
+    "vllm.entrypoints.launchers.cli_args": ("resizing.server:patch_arg_parser",),  # vLLM 0.29-0.32
+    "vllm.entrypoints.launchers.app": ("resizing.server:patch_app",),
 }
+"""vLLM module -> the patch functions (``module:function`` under this
+package) its import runs: ``compat.registry.targets()`` written out, so that
+interpreter start-up imports nothing (a test compares the two)."""
 
 _lock = _thread.RLock()
 _done: set[str] = set()
@@ -64,27 +65,26 @@ def _run_hook(module: types.ModuleType) -> None:
         if module.__name__ in _done:
             return
         _done.add(module.__name__)
-    hook = HOOKED_MODULES[module.__name__]
+    for target in HOOKED_MODULES[module.__name__]:
+        _run_patch(module, target)
+
+
+def _run_patch(module: types.ModuleType, target: str) -> None:
+    where, _, function = target.partition(":")
     try:
-        hooks = importlib.import_module("vllm_kv_cache_limit._hooks")
-        getattr(hooks, hook)(module)
+        getattr(importlib.import_module(f"{PLUGIN_NAME}.{where}"), function)(module)
     except Exception as exc:
-        from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
+        from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
 
         if isinstance(exc, KVCacheMaxMemoryError):
             raise  # a cap is in force and cannot be enforced: stop
-        failed[module.__name__] = f"{hook} on {module.__name__} failed: {exc!r}"
+        failed[module.__name__] = f"{target} on {module.__name__} failed: {exc!r}"
         if cap_in_force():
-            # Fail closed: never run with the cap silently unenforced.
-            message = hook_failure_message([failed[module.__name__]])
-            try:
-                hooks = importlib.import_module("vllm_kv_cache_limit._hooks")
-                hooks._raise_cap_error(message)
-            except KVCacheMaxMemoryError:
-                raise
-            except Exception:
-                pass
-            raise KVCacheMaxMemoryError(message) from exc
+            # Fail closed: never run with the cap silently unenforced; the
+            # engine-core or worker process hands the error to the first one.
+            from vllm_kv_cache_limit.relay import raise_cap_error
+
+            raise_cap_error(hook_failure_message([failed[module.__name__]]))
         # Without a cap, never break the import of a vLLM module.
         import logging
 

@@ -8,6 +8,7 @@ comes from the docstring below in the same way. No vLLM import here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -46,3 +47,13 @@ class KVCacheLimitConfig:
     `512MiB`, `1.5GiB`, `16GB` (16 * 10^9 bytes). The environment variable
     `VLLM_KV_CACHE_MAX_MEMORY` supplies the value when the argument is not
     given."""
+
+
+FIELD = "kv_cache_max_memory"
+"""The field's name: on ``EngineArgs``, on vLLM's ``CacheConfig`` (pickled to
+every process) and in ``CacheConfig.metrics_info``."""
+
+
+def cap_of(cache_config: Any) -> int | None:
+    """The cap carried on vLLM's CacheConfig, in bytes (None: no cap)."""
+    return getattr(cache_config, FIELD, None)

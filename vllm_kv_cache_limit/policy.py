@@ -2,7 +2,7 @@
 cache budget, ``kv_cache_memory_bytes`` and ``num_gpu_blocks_override``, and
 the checks against the device's memory.
 
-Pure logic: no vLLM import. The vLLM glue in ``_hooks`` calls these functions
+Pure logic: no vLLM import. The vLLM glue in ``patches`` calls these functions
 with numbers it read from vLLM and turns their messages into log lines and
 errors.
 """
@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from vllm_kv_cache_limit import envs
+from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError as KVCacheMaxMemoryError  # re-exported
 from vllm_kv_cache_limit.sizes import format_gib, format_size, parse_size
 
 __all__ = [
@@ -38,10 +39,6 @@ __all__ = [
 
 FLAG = "--kv-cache-max-memory"
 ENV_VAR = envs.MAX_MEMORY
-
-
-class KVCacheMaxMemoryError(ValueError):
-    """``kv_cache_max_memory`` cannot be honoured on this device."""
 
 
 def _gib(nbytes: int) -> str:

@@ -5,7 +5,7 @@ one) is the most a run-time limit can reach. Within it the limit is a block
 count: blocks ``[0, limit)`` stay usable (block 0 is vLLM's null block, as in
 its own ``num_gpu_blocks``), blocks ``[limit, allocated)`` are withheld from
 the scheduler and, once none is in use, their pages are returned to the OS.
-The vLLM glue is in ``_resize_hooks``.
+The vLLM glue is in ``resizing``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.errors import KVCacheResizeError
+from vllm_kv_cache_limit.errors import KVCacheResizeFailed as KVCacheResizeFailed  # re-exported
 from vllm_kv_cache_limit.sizes import format_size, parse_size
 
 MODES = ("drain", "preempt")
@@ -23,16 +24,8 @@ hold them finish. ``preempt``: those requests are preempted now and
 recomputed (vLLM's own preemption), so the limit holds at once."""
 
 NULL_BLOCKS = 1
-"""vLLM's block pool keeps block 0 as the null block, never handed out."""
-
-
-class KVCacheResizeError(KVCacheMaxMemoryError):
-    """A run-time limit that cannot be applied; the engine is left as it was."""
-
-
-class KVCacheResizeFailed(KVCacheResizeError):
-    """A change that failed inside vLLM (not the caller's input); the old
-    limit was restored."""
+"""Blocks vLLM's block pool holds back for good (block 0, the null block):
+counted in ``num_gpu_blocks`` and allocated, but never given to a request."""
 
 
 @dataclass(frozen=True)

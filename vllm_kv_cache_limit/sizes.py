@@ -160,3 +160,14 @@ def format_size(nbytes: int, rounding: str = "down") -> str:
 def format_gib(nbytes: int) -> str:
     """Bytes as GiB with two decimals, as vLLM writes memory in its logs."""
     return f"{nbytes / 2**30:.2f}"
+
+
+def argparse_size(value: str) -> int:
+    """``parse_size`` as an argparse ``type``: argparse prints an
+    ``ArgumentTypeError``'s message (a ``ValueError``'s it would hide)."""
+    import argparse
+
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

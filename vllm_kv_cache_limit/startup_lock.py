@@ -15,7 +15,7 @@ Lock files live in one folder (``VLLM_KV_CACHE_LIMIT_LOCK_DIR``, default
 is opened with ``O_NOFOLLOW | O_DIRECTORY`` and each file with ``O_NOFOLLOW``
 relative to it, so a planted symbolic link can redirect neither.
 
-No vLLM import here: the vLLM glue in ``_hooks`` names the devices.
+No vLLM import here: the vLLM glue in ``patches.devices`` names the devices.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Fixtures for the end-to-end tests: real vLLM engines on the CPU with the
-tiny model, each started in its own process by ``vllm_kv_cache_limit.probe``."""
+tiny model, each started in its own process by ``tests.helpers``."""
 
 from __future__ import annotations
 
@@ -15,19 +15,19 @@ from typing import Any
 
 import pytest
 
+from tests import helpers
 from tests.conftest import REPO, TEST_MAX_MODEL_LEN
-from vllm_kv_cache_limit import probe as engine_probe
 
 ENGINE_TIMEOUT_S = 300
 
 # Small CPU budget so engines fit beside each other on a 2-core test machine.
 BASE_ENGINE_ARGS: dict[str, Any] = {
-    **engine_probe.BASE_ENGINE_ARGS,
+    **helpers.BASE_ENGINE_ARGS,
     "max_model_len": TEST_MAX_MODEL_LEN,
-    "gpu_memory_utilization": engine_probe.SHARED_UTILIZATION["cpu"],
+    "gpu_memory_utilization": helpers.SHARED_UTILIZATION["cpu"],
 }
 
-engine_env = engine_probe.engine_env
+engine_env = helpers.engine_env
 
 FIXTURES = Path(__file__).parent / "fixtures"
 """Test-only vLLM plugins, each a folder with a ``.dist-info`` naming its
@@ -63,8 +63,8 @@ def with_plugins(*folders: Path | str) -> str:
 
 def run_probe(spec: dict[str, Any], env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     """Run one engine in a fresh process; return its result and its log."""
-    run = engine_probe.run_child(
-        [sys.executable, "-m", "vllm_kv_cache_limit.probe", json.dumps(spec)],
+    run = helpers.run_child(
+        [sys.executable, "-m", "tests.helpers", json.dumps(spec)],
         env or engine_env(),
         ENGINE_TIMEOUT_S,
         REPO,
@@ -214,9 +214,9 @@ def api_servers(
     servers: dict[str, tuple[list[str], dict[str, str]]], folder: Path
 ) -> Iterator[dict[str, tuple[str, Path]]]:
     """Start one OpenAI API server per name at the same time (see
-    ``probe.api_servers``), fail unless all answer /health, yield
+    ``tests.helpers.api_servers``), fail unless all answer /health, yield
     ``{name: (base_url, log_path)}``, and stop them all."""
-    with engine_probe.api_servers(servers, folder, ENGINE_TIMEOUT_S, REPO) as running:
+    with helpers.api_servers(servers, folder, ENGINE_TIMEOUT_S, REPO) as running:
         for name, server in running.items():
             if server.ready_s is None:
                 state = f"exited {server.returncode}" if server.returncode is not None else "not ready"

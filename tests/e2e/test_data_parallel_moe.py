@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests import helpers
 from tests.conftest import REPO
 from tests.e2e.conftest import engine_env, server_args
 from tests.e2e.test_resize import ROUTE
-from vllm_kv_cache_limit import probe
-from vllm_kv_cache_limit.tiny_model import build_tiny_model
+from tests.tiny_model import build_tiny_model
 
 MiB = 2**20
 STARTUP_BOUND_S = 240
@@ -35,7 +35,7 @@ def test_coupled_data_parallel_ranks_start_without_deadlock_and_take_a_resize(mi
     spec = {
         "dp": (server_args(mixtral, "16M", None, "--data-parallel-size", "2", "--enable-kv-cache-resize"), engine_env())
     }
-    with probe.api_servers(spec, tmp_path, STARTUP_BOUND_S, REPO) as running:
+    with helpers.api_servers(spec, tmp_path, STARTUP_BOUND_S, REPO) as running:
         server = running["dp"]
         log = server.log_path.read_text()
         assert server.ready_s is not None, f"not ready within {STARTUP_BOUND_S} s:\n{log[-4000:]}"
@@ -62,12 +62,12 @@ def test_external_load_balancing_each_server_resizes_its_own_rank(mixtral: str, 
     host: both start (each rank's engine core is coupled to the other's), and
     a resize through one server changes only its own engine core."""
     group = ("--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1")
-    group += ("--data-parallel-rpc-port", str(probe.free_port()), "--enable-kv-cache-resize")
+    group += ("--data-parallel-rpc-port", str(helpers.free_port()), "--enable-kv-cache-resize")
     spec = {
         f"rank{rank}": (server_args(mixtral, "16M", None, *group, "--data-parallel-rank", str(rank)), engine_env())
         for rank in (0, 1)
     }
-    with probe.api_servers(spec, tmp_path, STARTUP_BOUND_S, REPO) as running:
+    with helpers.api_servers(spec, tmp_path, STARTUP_BOUND_S, REPO) as running:
         for name, server in running.items():
             assert server.ready_s is not None, (
                 f"{name} not ready within {STARTUP_BOUND_S} s:\n{server.log_path.read_text()[-4000:]}"

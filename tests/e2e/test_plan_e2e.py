@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import BASE_ENGINE_ARGS, engine_env, run_probe
+from tests.tiny_model import ARCHITECTURES, build_tiny_model
 from vllm_kv_cache_limit import plan as kv_plan
 from vllm_kv_cache_limit.sizes import parse_size
-from vllm_kv_cache_limit.tiny_model import ARCHITECTURES, build_tiny_model
 
 # Long enough for Gemma 2's 128-token sliding window to hold fewer blocks than
 # its full-attention layers: with 256 batched tokens a sliding layer keeps

@@ -12,11 +12,11 @@ import time
 import uuid
 from pathlib import Path
 
+from tests import helpers
 from tests.conftest import TEST_MAX_MODEL_LEN
 from tests.e2e.conftest import FIXTURES, engine_env, with_plugins
 from tests.e2e.test_side_by_side import bind_two_workers
 from tests.e2e.test_startup_failures import DRIVER, GRACE_S, RUN_MARKER, run_watched, wait_until_gone
-from vllm_kv_cache_limit import probe as engine_probe
 
 PLUGIN_DIR = FIXTURES / "fault_plugin"
 MiB = 2**20
@@ -35,7 +35,7 @@ def run_tensor_parallel_2(tiny_model: str, tmp_path: Path, **engine_args: object
     # vLLM's default utilization: rank 1's gate must see its own low reading.
     spec = {
         "model": tiny_model,
-        **engine_probe.BASE_ENGINE_ARGS,
+        **helpers.BASE_ENGINE_ARGS,
         "max_model_len": TEST_MAX_MODEL_LEN,
         "tensor_parallel_size": 2,
         **engine_args,

@@ -135,7 +135,7 @@ def run_ray_driver(tiny_model: str, tmp_path: Path, env: dict[str, str], **engin
         "tensor_parallel_size": 2,
         "distributed_executor_backend": "ray",
         "kv_cache_max_memory": "16M",
-        "worker_extension_cls": "vllm_kv_cache_limit.probe.KVCacheProbe",
+        "worker_extension_cls": "tests.helpers.KVCacheProbe",
         **engine_args,
     }
     plugins = [RAY_PLUGIN_DIR, *env.pop("EXTRA_PYTHONPATH", "").split(os.pathsep)]

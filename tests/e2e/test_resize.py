@@ -18,6 +18,7 @@ import psutil
 import pytest
 import requests
 
+from tests import helpers
 from tests.conftest import REPO
 from tests.e2e.conftest import (
     ENGINE_TIMEOUT_S,
@@ -29,9 +30,8 @@ from tests.e2e.conftest import (
     with_plugins,
 )
 from tests.e2e.test_side_by_side import bind_two_workers
-from vllm_kv_cache_limit import probe
-from vllm_kv_cache_limit.probe import CompletionLoad, metric
-from vllm_kv_cache_limit.tiny_model import build_tiny_model
+from tests.helpers import CompletionLoad, metric
+from tests.tiny_model import build_tiny_model
 
 MiB = 2**20
 KEY = "resize-test-key"
@@ -56,7 +56,7 @@ def running_servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -
         "--max-num-seqs",
         "64",
         "--worker-extension-cls",
-        "vllm_kv_cache_limit.probe.KVCacheProbe",
+        "tests.helpers.KVCacheProbe",
     )
     specs = {
         "resize": (
@@ -252,6 +252,10 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 from vllm import LLM, SamplingParams
 import vllm_kv_cache_limit as kvl
 
+def rss_fall(worker):
+    # How far the worker's RSS fell at its last release, measured around its madvise calls.
+    return int(getattr(worker, "_kvcl_rss_fall", 0))
+
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     engine = {"enforce_eager": True, **spec["engine"]}
@@ -263,7 +267,7 @@ if __name__ == "__main__":
     texts = lambda: [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
     result = {"before": texts(), "start": kvl.kv_cache_limit_status(llm)}
     result["shrunk"] = kvl.set_kv_cache_max_memory(llm, "16M", mode=spec["mode"], timeout_s=60)
-    result["rss_fall"] = llm.collective_rpc("kv_cache_limit_rss_fall")
+    result["rss_fall"] = llm.collective_rpc(rss_fall)
     result["small"] = texts()
     result["grown"] = kvl.set_kv_cache_max_memory(llm, 48 * 2**20)
     result["after"] = texts()
@@ -356,8 +360,8 @@ def test_each_data_parallel_engine_takes_the_limit(tiny_model: str, tmp_path: Pa
             engine_env(PYTHONPATH=with_plugins(FIXTURES / "fault_plugin"), KVCL_TEST_FAIL_GROW_DP_RANK="1"),
         )
     }
-    # probe's launcher: its Server carries the pid, below which the workers are.
-    with probe.api_servers(spec, tmp_path, ENGINE_TIMEOUT_S, REPO) as running:
+    # helpers' launcher: its Server carries the pid, below which the workers are.
+    with helpers.api_servers(spec, tmp_path, ENGINE_TIMEOUT_S, REPO) as running:
         server = running["dp"]
         assert server.ready_s is not None and server.pid, server.log_path.read_text()[-4000:]
         workers = worker_processes(server.pid)

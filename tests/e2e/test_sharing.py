@@ -80,9 +80,7 @@ def three_servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
     specs = {}
     for name, cap in CAPS.items():
         env = engine_env(VLLM_SERVER_DEV_MODE="1", VLLM_KV_CACHE_LIMIT_LOCK_DIR=str(folder / "locks"))
-        args = server_args(
-            tiny_model, f"{cap // MiB}M", None, "--worker-extension-cls", "vllm_kv_cache_limit.probe.KVCacheProbe"
-        )
+        args = server_args(tiny_model, f"{cap // MiB}M", None, "--worker-extension-cls", "tests.helpers.KVCacheProbe")
         specs[name] = (args, env)
     with available_at_most(NOT_FREE):
         with api_servers(specs, folder) as running:

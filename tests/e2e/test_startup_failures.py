@@ -25,8 +25,8 @@ import pytest
 
 from tests.e2e.conftest import BASE_ENGINE_ARGS, ENGINE_TIMEOUT_S, REPO, engine_env
 from tests.e2e.test_version_drift import drift_env
+from tests.helpers import free_port
 from vllm_kv_cache_limit import compat
-from vllm_kv_cache_limit.probe import free_port
 
 RUN_MARKER = "VLLM_KV_CACHE_LIMIT_TEST_RUN"
 MiB = 2**20

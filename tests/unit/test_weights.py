@@ -49,7 +49,7 @@ def test_unreadable_or_missing_weights_count_nothing(tmp_path: Path) -> None:
 
 
 def test_tiny_model_weights(tmp_path: Path) -> None:
-    from vllm_kv_cache_limit.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "tiny")
     files = list(Path(folder).glob("*.safetensors"))

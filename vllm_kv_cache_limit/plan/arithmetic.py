@@ -14,11 +14,8 @@ from typing import Any
 
 from vllm_kv_cache_limit.plan.errors import PlanError
 from vllm_kv_cache_limit.policy import FLAG
+from vllm_kv_cache_limit.resize import NULL_BLOCKS as NULL_BLOCKS  # one definition, re-exported
 from vllm_kv_cache_limit.sizes import format_size, parse_size
-
-NULL_BLOCKS = 1
-"""Blocks vLLM's block pool holds back for good (the null block): counted in
-``num_gpu_blocks`` and allocated, but never given to a request."""
 
 PROBE_BYTES = 1 << 50
 """Memory handed to vLLM's planning to read the block size in bytes: only

@@ -23,7 +23,7 @@ from vllm_kv_cache_limit.plan.errors import EXIT_ERROR, PROG, PlanError, first_l
 from vllm_kv_cache_limit.plan.introspect import check_choices, check_model_source, load_model_kv_cache, quiet_vllm
 from vllm_kv_cache_limit.plan.report import as_json, format_human
 from vllm_kv_cache_limit.policy import FLAG
-from vllm_kv_cache_limit.sizes import parse_count, parse_size
+from vllm_kv_cache_limit.sizes import argparse_size, parse_count
 
 
 def _positive_int(name: str) -> Callable[[str], int]:
@@ -49,10 +49,9 @@ def _add_count(parser: argparse.ArgumentParser, *flags: str, default: int | None
 
 
 def _size_arg(value: str) -> str:
-    try:
-        parse_size(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    """A size, checked as ``--kv-cache-max-memory`` checks it, kept as typed
+    (the report quotes it)."""
+    argparse_size(value)
     return value
 
 

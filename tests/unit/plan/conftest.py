@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from tests.tiny_model import build_tiny_model
 from vllm_kv_cache_limit.plan import main
-from vllm_kv_cache_limit.tiny_model import build_tiny_model
 
 CPU_BLOCK = 128  # the CPU backend's block size
 BF16 = 2  # bytes; the CPU backend's KV cache dtype for a float32 model

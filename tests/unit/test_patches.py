@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 from argparse import ArgumentError
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from vllm_kv_cache_limit import _bootstrap, _hooks, envs, register
+from vllm_kv_cache_limit import _bootstrap, envs, patches, register
+from vllm_kv_cache_limit.config import FIELD
 from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
 
 GiB = 2**30
@@ -141,9 +140,7 @@ def test_cuda_gate_refuses_without_cap_and_asks_for_free_memory_with_one() -> No
     calls in ``init_device``), wrapped as the plugin wraps it."""
     from vllm.v1.worker.utils import request_memory
 
-    from vllm_kv_cache_limit import _hooks
-
-    wrapped = _hooks._ceiling_request_memory(request_memory)
+    wrapped = patches.gpu_worker._ceiling_request_memory(request_memory)
     snapshot = _snapshot(80 * GiB, 20 * GiB)  # another instance holds 60 GiB
     with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
         wrapped(snapshot, _cache_config(0.9, None))  # the premise: vLLM alone refuses
@@ -151,7 +148,7 @@ def test_cuda_gate_refuses_without_cap_and_asks_for_free_memory_with_one() -> No
     requested = wrapped(snapshot, config)
     assert 20 * GiB - 1 <= requested <= 20 * GiB
     assert config.gpu_memory_utilization == 0.9  # the caller's config is untouched
-    gate = _hooks._gate_of(config)  # kept on the worker's own config
+    gate = patches.worker_gate.gate_of(config)  # kept on the worker's own config
     assert gate is not None and gate.limited_by_free and gate.free == 20 * GiB
     # Weights held by another process (external_weight_memory) count as vLLM counts them.
     with pytest.raises(ValueError, match="engine's budget after excluding"):
@@ -164,31 +161,27 @@ def test_cuda_gate_with_the_two_argument_request_memory_of_vllm_0_29_to_0_31() -
     with no ``external_weight_memory``: the wrapper passes on only what it got."""
     from vllm.v1.worker.utils import request_memory
 
-    from vllm_kv_cache_limit import _hooks
-
     def request_memory_0_31(init_snapshot, cache_config):  # the older signature
         return request_memory(init_snapshot, cache_config)
 
-    wrapped = _hooks._ceiling_request_memory(request_memory_0_31)
+    wrapped = patches.gpu_worker._ceiling_request_memory(request_memory_0_31)
     snapshot = _snapshot(80 * GiB, 20 * GiB)
     with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
         wrapped(snapshot, _cache_config(0.9, None))
     config = _cache_config(0.9, 8 * GiB)
     assert 20 * GiB - 1 <= wrapped(snapshot, config) <= 20 * GiB
-    assert _hooks._gate_of(config).limited_by_free
+    assert patches.worker_gate.gate_of(config).limited_by_free
 
 
 @pytest.mark.parametrize(("utilization", "free"), [(0.9, 79 * GiB), (0.3, 30 * GiB)])
 def test_cuda_gate_unchanged_when_the_utilization_is_free(utilization: float, free: int) -> None:
     from vllm.v1.worker.utils import request_memory
 
-    from vllm_kv_cache_limit import _hooks
-
     snapshot = _snapshot(80 * GiB, free)
     expected = request_memory(snapshot, _cache_config(utilization, None))
     config = _cache_config(utilization, 8 * GiB)
-    assert _hooks._ceiling_request_memory(request_memory)(snapshot, config) == expected
-    assert not _hooks._gate_of(config).limited_by_free
+    assert patches.gpu_worker._ceiling_request_memory(request_memory)(snapshot, config) == expected
+    assert not patches.worker_gate.gate_of(config).limited_by_free
 
 
 def _gpu_worker(cap: int | None, explicit: int | None = None, gate=None):
@@ -200,17 +193,13 @@ def _gpu_worker(cap: int | None, explicit: int | None = None, gate=None):
 
 
 def _gate(*, free: int, requested: int, limited: bool):
-    from vllm_kv_cache_limit import _hooks
-
-    return _hooks._Gate("cuda:0", 80 * GiB, free, requested, limited)
+    return patches.worker_gate.Gate("cuda:0", 80 * GiB, free, requested, limited)
 
 
 def test_cuda_cap_above_what_the_instance_can_get_fails_after_profiling(mocker) -> None:
-    from vllm_kv_cache_limit import _hooks
-
     gate = _gate(free=20 * GiB, requested=20 * GiB, limited=True)
     original = mocker.Mock(return_value=6 * GiB)  # vLLM's budget after profiling
-    wrapped = _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, original)
+    wrapped = patches.worker_gate.check_cap_fits_instance(patches.devices.cuda_free_memory, original)
     with pytest.raises(KVCacheMaxMemoryError) as info:
         wrapped(_gpu_worker(8 * GiB, gate=gate))
     message = str(info.value)
@@ -220,25 +209,21 @@ def test_cuda_cap_above_what_the_instance_can_get_fails_after_profiling(mocker) 
 
 
 def test_cuda_cap_above_a_utilization_budget_is_not_an_error(mocker) -> None:
-    from vllm_kv_cache_limit import _hooks
-
     gate = _gate(free=70 * GiB, requested=24 * GiB, limited=False)  # --gpu-memory-utilization 0.3
     original = mocker.Mock(return_value=10 * GiB)
     mem_get_info = mocker.patch("torch.cuda.mem_get_info")
     worker = _gpu_worker(40 * GiB, gate=gate)
-    assert _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, original)(worker) == 10 * GiB
+    assert patches.worker_gate.check_cap_fits_instance(patches.devices.cuda_free_memory, original)(worker) == 10 * GiB
     mem_get_info.assert_not_called()
 
 
 def test_cuda_explicit_size_checked_against_free_memory_after_empty_cache(mocker) -> None:
-    from vllm_kv_cache_limit import _hooks
-
     calls = []
     mocker.patch("torch.cuda.empty_cache", side_effect=lambda: calls.append("empty_cache"))
     mocker.patch("torch.cuda.mem_get_info", side_effect=lambda: calls.append("mem_get_info") or (10 * GiB, 80 * GiB))
     mocker.patch("torch.cuda.current_device", return_value=0)
     original = mocker.Mock(return_value=4 * GiB)
-    wrapped = _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, original)
+    wrapped = patches.worker_gate.check_cap_fits_instance(patches.devices.cuda_free_memory, original)
     # --kv-cache-memory-bytes 4G --kv-cache-max-memory 130G: 4 GiB fits.
     assert wrapped(_gpu_worker(130 * GiB, 4 * GiB)) == 4 * GiB
     assert calls == ["empty_cache", "mem_get_info"]
@@ -250,11 +235,11 @@ def test_cuda_explicit_size_checked_against_free_memory_after_empty_cache(mocker
 
 
 def test_cuda_checks_skipped_without_cap(mocker) -> None:
-    from vllm_kv_cache_limit import _hooks
-
     mem_get_info = mocker.patch("torch.cuda.mem_get_info")
     original = mocker.Mock(return_value=5)
-    assert _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, original)(_gpu_worker(None)) == 5
+    assert (
+        patches.worker_gate.check_cap_fits_instance(patches.devices.cuda_free_memory, original)(_gpu_worker(None)) == 5
+    )
     mem_get_info.assert_not_called()
 
 
@@ -283,53 +268,49 @@ def test_cuda_fail_fast_weights_plus_caps_against_nvml_free(mocker, tmp_path: Pa
     import torch
     from safetensors.torch import save_file
 
-    from vllm_kv_cache_limit import _hooks
-
     save_file({"w": torch.zeros(1024, 1024, dtype=torch.float32)}, tmp_path / "model.safetensors")
     weights = 1024 * 1024 * 2  # loaded as bfloat16
     _cuda_platform(mocker)
     free = {0: 100 * MiB, 1: 100 * MiB}
-    nvml = mocker.patch.object(_hooks, "_nvml_free", side_effect=lambda i: free[i])
+    nvml = mocker.patch.object(patches.devices, "_nvml_free", side_effect=lambda i: free[i])
     cuda_init = mocker.patch("torch.cuda.init")
     config = _engine_config(str(tmp_path), world=2)
-    _hooks._check_fits_before_load(config, (200 * MiB - weights) // 2)  # fits exactly
+    patches.devices.check_fits_before_load(config, (200 * MiB - weights) // 2)  # fits exactly
     with pytest.raises(KVCacheMaxMemoryError) as info:
-        _hooks._check_fits_before_load(config, (200 * MiB - weights) // 2 + 1)
+        patches.devices.check_fits_before_load(config, (200 * MiB - weights) // 2 + 1)
     assert "GPU 0 (GPU-uuid-0) + GPU 1 (GPU-uuid-1)" in str(info.value)
     assert f"weights take at least 2MiB ({weights} bytes)" in str(info.value)
     assert sorted(c.args[0] for c in nvml.call_args_list) == [0, 0, 1, 1]
     cuda_init.assert_not_called()
     # On-the-fly quantization may shrink the weights: only the caps count then.
-    _hooks._check_fits_before_load(_engine_config(str(tmp_path), 2, "fp8"), 100 * MiB)
+    patches.devices.check_fits_before_load(_engine_config(str(tmp_path), 2, "fp8"), 100 * MiB)
     # An explicit size under the cap is what will be allocated: a cap above
     # the free memory passes when the size fits, and the size is named.
     explicit = _engine_config(str(tmp_path), world=2)
     explicit.cache_config.kv_cache_memory_bytes = (200 * MiB - weights) // 2
-    _hooks._check_fits_before_load(explicit, 10 * GiB)
+    patches.devices.check_fits_before_load(explicit, 10 * GiB)
     explicit.cache_config.kv_cache_memory_bytes += 1
     with pytest.raises(KVCacheMaxMemoryError, match=r"The KV cache of \d+ bytes .* set by --kv-cache-memory-bytes"):
-        _hooks._check_fits_before_load(explicit, 10 * GiB)
+        patches.devices.check_fits_before_load(explicit, 10 * GiB)
     # A block count: a block's size is not known yet, only the weights count.
     blocks = _engine_config(str(tmp_path), world=2)
     blocks.cache_config.num_gpu_blocks_override = 10**6
-    _hooks._check_fits_before_load(blocks, 10 * GiB)
+    patches.devices.check_fits_before_load(blocks, 10 * GiB)
 
 
 def test_cuda_fail_fast_skipped_when_nvml_fails(mocker, tmp_path: Path) -> None:
-    from vllm_kv_cache_limit import _hooks
-
     _cuda_platform(mocker)
-    mocker.patch.object(_hooks, "_nvml_free", side_effect=RuntimeError("NVML Shared Library Not Found"))
-    _hooks._check_fits_before_load(_engine_config(str(tmp_path), 1), 100 * GiB)  # no refusal
+    mocker.patch.object(patches.devices, "_nvml_free", side_effect=RuntimeError("NVML Shared Library Not Found"))
+    patches.devices.check_fits_before_load(_engine_config(str(tmp_path), 1), 100 * GiB)  # no refusal
 
 
 def test_startup_lock_names_each_local_gpu_by_uuid(mocker) -> None:
-    from vllm_kv_cache_limit import _hooks
-
     _cuda_platform(mocker, count=4)
     from vllm.config import ParallelConfig
 
-    devices, workers = _hooks._instance_devices(SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2)))
+    devices, workers = patches.devices.instance_devices(
+        SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2))
+    )
     assert [d.key for d in devices] == ["GPU-uuid-0", "GPU-uuid-1"] and workers == 2
 
 
@@ -421,7 +402,7 @@ def test_engine_core_locks_the_gpus_of_its_data_parallel_rank(
     _vllm_cuda_platform(mocker, count)
     _nvml(mocker)
     config = SimpleNamespace(parallel_config=_engine_core_parallel_config(2, dp, local_dp_rank, **kwargs))
-    devices, workers = _hooks._instance_devices(config)
+    devices, workers = patches.devices.instance_devices(config)
     assert [d.key for d in devices] == [f"GPU-uuid-{i}" for i in expected] and workers == 2
 
 
@@ -437,7 +418,7 @@ def test_ray_data_parallel_engine_core_takes_the_gpus_vllm_assigned_it(mocker, m
     _nvml(mocker)
     parallel_config = _engine_core_parallel_config(2, 2, 1, data_parallel_backend="ray")
     parallel_config.assigned_physical_gpu_ids = get_physical_gpu_ids_for_local_dp_rank("CUDA_VISIBLE_DEVICES", 1, 2)
-    devices, workers = _hooks._instance_devices(SimpleNamespace(parallel_config=parallel_config))
+    devices, workers = patches.devices.instance_devices(SimpleNamespace(parallel_config=parallel_config))
     assert [d.key for d in devices] == ["GPU-uuid-2", "GPU-uuid-3"] and workers == 2
 
 
@@ -459,9 +440,9 @@ def test_fail_fast_checks_each_local_data_parallel_rank_on_its_own_gpus(mocker, 
         model_config=SimpleNamespace(model=str(tmp_path), dtype=torch.bfloat16, quantization=None, revision=None),
         cache_config=SimpleNamespace(kv_cache_memory_bytes=None, num_gpu_blocks_override=None),
     )
-    _hooks._check_fits_before_load(config, 24 * GiB)  # 2 x 24 GiB + weights fit in 50 GiB
+    patches.devices.check_fits_before_load(config, 24 * GiB)  # 2 x 24 GiB + weights fit in 50 GiB
     with pytest.raises(KVCacheMaxMemoryError) as info:
-        _hooks._check_fits_before_load(config, 25 * GiB)
+        patches.devices.check_fits_before_load(config, 25 * GiB)
     message = str(info.value)
     assert "GPU 2 (GPU-uuid-2) + GPU 3 (GPU-uuid-3) of local data-parallel rank 1" in message, message
     assert "--kv-cache-max-memory 24.99GiB" in message, message
@@ -508,12 +489,12 @@ def test_cpu_gate_reads_the_memory_node_vllm_binds_the_worker_to(mocker, monkeyp
     bind.assert_called_with([1])  # the premise: vLLM binds the worker's memory to node 1
     worker = object.__new__(cpu_worker.CPUWorker)
     capped = config(16 * MiB)
-    _hooks._ceiling_cpu_worker_init(original)(worker, capped, 0, 0, "tcp://127.0.0.1:1")
-    slack = _hooks._cpu_gate_slack(6 * GiB)
+    patches.cpu_worker._ceiling_cpu_worker_init(original)(worker, capped, 0, 0, "tcp://127.0.0.1:1")
+    slack = patches.worker_gate.cpu_gate_slack(6 * GiB)
     assert 6 * GiB - slack - MiB <= worker.requested_cpu_memory <= 6 * GiB - slack
-    gate = _hooks._gate_of(capped.cache_config)
+    gate = patches.worker_gate.gate_of(capped.cache_config)
     assert gate is not None and gate.device == "host memory node 1 (CPU backend)"
-    assert _hooks._cpu_free_memory(worker) == (6 * GiB, 8 * GiB, "host memory node 1 (CPU backend)")
+    assert patches.devices.cpu_free_memory(worker) == (6 * GiB, 8 * GiB, "host memory node 1 (CPU backend)")
 
 
 @pytest.mark.parametrize(("data_parallel_size", "locked"), [(1, True), (2, False)])
@@ -525,29 +506,29 @@ def test_startup_lock_not_taken_by_coupled_data_parallel_ranks(mocker, data_para
 
     acquire = mocker.patch.object(startup_lock, "acquire")
     mocker.patch.object(
-        _hooks, "_instance_devices", return_value=([_hooks._Device("cpu-node0", "node 0", lambda: 0)], 1)
+        patches.engine_core,
+        "instance_devices",
+        return_value=([patches.devices._Device("cpu-node0", "node 0", lambda: 0)], 1),
     )
     original = mocker.Mock()
     config = SimpleNamespace(
-        cache_config=SimpleNamespace(**{_hooks.FIELD: 16 * 2**20}),
+        cache_config=SimpleNamespace(**{FIELD: 16 * 2**20}),
         parallel_config=SimpleNamespace(data_parallel_size=data_parallel_size, data_parallel_rank=1),
     )
-    _hooks._hold_startup_lock(original)("engine", config)
+    patches.engine_core._hold_startup_lock(original)("engine", config)
     original.assert_called_once_with("engine", config)
     assert acquire.called is locked
 
 
 def test_cuda_fail_fast_uses_nvml_total(mocker) -> None:
     """On CUDA the device total comes from the platform (NVML), not torch.cuda."""
-    from vllm_kv_cache_limit import _hooks
-
     platform = mocker.Mock()
     platform.is_cpu.return_value = False
     platform.device_type = "cuda"
     platform.get_device_total_memory.return_value = 80 * GiB
     mocker.patch("vllm.platforms.current_platform", platform)
     cuda_init = mocker.patch("torch.cuda.init")
-    assert _hooks._device_total_memory() == (80 * GiB, "cuda:0")
+    assert patches.devices.device_total_memory() == (80 * GiB, "cuda:0")
     platform.get_device_total_memory.assert_called_once_with(0)
     cuda_init.assert_not_called()
 
@@ -581,12 +562,12 @@ def test_every_entry_point_accepts_the_flag(vllm_modules) -> None:
 
 FAILING_HOOK = """
 import sys
-from vllm_kv_cache_limit import _hooks
+from vllm_kv_cache_limit.patches import engine_core
 
 def broken(module):
     raise RuntimeError("simulated hook failure")
 
-_hooks.patch_engine_core = broken
+engine_core.patch = broken
 try:
     import vllm.v1.engine.core
 except Exception as exc:
@@ -617,7 +598,7 @@ def test_hook_failure_under_a_cap_stops_naming_the_hook(tmp_path: Path) -> None:
     # An engine-core or worker process of a capped engine (the relay is armed).
     out = _run_failing_hook({envs.ERROR_FILE: str(tmp_path / "relay")})
     assert "IMPORT_FAILED KVCacheMaxMemoryError" in out, out
-    assert "patch_engine_core on vllm.v1.engine.core failed: RuntimeError('simulated hook failure')" in out
+    assert "patches.engine_core:patch on vllm.v1.engine.core failed: RuntimeError('simulated hook failure')" in out
     assert "simulated hook failure" in (tmp_path / "relay").read_text()  # reaches the first process
     # The cap from the environment: the same.
     assert "IMPORT_FAILED KVCacheMaxMemoryError" in _run_failing_hook({"VLLM_KV_CACHE_MAX_MEMORY": "16M"})
@@ -628,32 +609,33 @@ def test_hook_failure_without_a_cap_warns_then_a_cap_stops_start_up(tiny_model: 
     assert "IMPORTED" in out, out
     assert "could not hook vllm.v1.engine.core" in out
     assert "CONFIG_FAILED KVCacheMaxMemoryError" in out, out
-    assert "cannot be enforced and start-up stops: patch_engine_core on vllm.v1.engine.core failed" in out
+    assert "cannot be enforced and start-up stops: patches.engine_core:patch on vllm.v1.engine.core failed" in out
 
 
-def test_every_hook_is_listed_in_compat() -> None:
-    """Each hooked module and each name the hooks check is in compat.HOOKS,
-    so the start-up and CI checks cover every place the plugin touches."""
+def test_bootstrap_module_map_comes_from_the_registry() -> None:
+    """``_bootstrap`` keeps the registry's module map as text (interpreter
+    start-up imports nothing): the two must agree, function for function."""
+    from vllm_kv_cache_limit.compat import registry
+
+    derived = {
+        target: tuple(f"{f.__module__.removeprefix('vllm_kv_cache_limit.')}:{f.__name__}" for f in patches_)
+        for target, patches_ in registry.targets().items()
+    }
+    assert derived == _bootstrap.HOOKED_MODULES
+
+
+def test_no_hook_is_named_by_a_string() -> None:
+    """Each hook is checked through its entry (``hook_ok(ENTRY)``,
+    ``optional(ENTRY, ...)``), never looked up by its name."""
     import ast
     import inspect
 
-    from vllm_kv_cache_limit import _hooks, compat
+    from vllm_kv_cache_limit.compat import registry
 
-    listed_modules = {m for hook in compat.HOOKS + compat.RESIZE_HOOKS for m in hook.modules}
-    listed_names = {hook.qualname for hook in compat.HOOKS}
-    assert set(_bootstrap.HOOKED_MODULES) <= listed_modules
-    tree = ast.parse(inspect.getsource(_hooks))
-    checked = {
-        node.args[0].value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and getattr(node.func, "id", None) == "_hook_ok"
-        and node.args
-        and isinstance(node.args[0], ast.Constant)
-    }
-    assert checked and checked <= listed_names, checked - listed_names
-    for name in _bootstrap.HOOKED_MODULES.values():
-        assert callable(getattr(_hooks, name)), name
+    for module in registry.modules(registry.CAP_MODULES + registry.RESIZE_MODULES):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("hook_ok", "optional", "problem_of"):
+                assert node.args and isinstance(node.args[0], (ast.Name, ast.Attribute)), (module.__name__, node.lineno)
 
 
 # --- hybrid (Mamba) models with full CUDA graphs, against vLLM's own check ----
@@ -664,7 +646,6 @@ def test_mamba_block_shortage_names_the_cap_when_it_binds(mocker, decision: str)
     from vllm.config.compilation import CompilationConfig, CUDAGraphMode
     from vllm.v1.attention.backend import AttentionCGSupport
 
-    from vllm_kv_cache_limit import _hooks
     from vllm_kv_cache_limit.policy import CapDecision
 
     register()
@@ -676,7 +657,7 @@ def test_mamba_block_shortage_names_the_cap_when_it_binds(mocker, decision: str)
     }[decision]
     config = CompilationConfig()
     if worker_cap is not None:  # as the worker's determine_available_memory leaves it
-        _hooks._record_worker_cap(
+        patches.worker_gate.record_worker_cap(
             SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=config)), **vars(worker_cap)
         )
     config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
@@ -700,7 +681,6 @@ def test_mamba_block_shortage_names_the_cap_when_it_binds(mocker, decision: str)
 
 
 def test_auto_fit_failure_names_the_cap_when_it_binds(mocker) -> None:
-    from vllm_kv_cache_limit import _hooks
     from vllm_kv_cache_limit.policy import CapDecision
 
     def vllms_auto_fit(*args, **kwargs):
@@ -709,52 +689,15 @@ def test_auto_fit_failure_names_the_cap_when_it_binds(mocker) -> None:
             "token. Try increasing `gpu_memory_utilization`."
         )
 
-    wrapped = _hooks._name_cap_when_auto_fit_fails(vllms_auto_fit)
-    mocker.patch.object(_hooks._active, "decision", [CapDecision(budget=GiB, cap=64 * 1024)], create=True)
+    wrapped = patches.engine_core._name_cap_when_auto_fit_fails(vllms_auto_fit)
+    mocker.patch.object(patches.engine_core._active, "decision", [CapDecision(budget=GiB, cap=64 * 1024)], create=True)
     with pytest.raises(KVCacheMaxMemoryError, match=r"64KiB .* too small for even one token with --max-model-len auto"):
         wrapped()
-    mocker.patch.object(_hooks._active, "decision", [CapDecision(budget=32 * 1024, cap=64 * 1024)], create=True)
+    mocker.patch.object(
+        patches.engine_core._active, "decision", [CapDecision(budget=32 * 1024, cap=64 * 1024)], create=True
+    )
     with pytest.raises(ValueError, match="Try increasing `gpu_memory_utilization`"):
         wrapped()
-
-
-# --- the cap-error relay from child processes to the first process ---------
-
-
-@pytest.fixture
-def armed_relay(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.delenv(_hooks.ERROR_RELAY_ENV, raising=False)
-    monkeypatch.setattr(_hooks, "_relay_dir", None)
-    _hooks._arm_error_relay()
-    path = os.environ[_hooks.ERROR_RELAY_ENV]
-    yield path
-    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-
-
-def test_relay_lies_in_a_folder_private_to_the_first_process(armed_relay: str) -> None:
-    folder = os.path.dirname(armed_relay)
-    assert os.stat(folder).st_mode & 0o777 == 0o700
-    assert os.stat(folder).st_uid == os.getuid()
-    _hooks.relay_cap_error("the cap error")
-    assert _hooks.take_relayed_error() == "the cap error"
-    assert not os.path.exists(armed_relay)
-    assert _hooks.take_relayed_error() is None
-
-
-def test_relay_keeps_the_first_error(armed_relay: str) -> None:
-    _hooks.relay_cap_error("first")
-    _hooks.relay_cap_error("second")
-    assert _hooks.take_relayed_error() == "first"
-
-
-def test_relay_follows_no_planted_symlink(armed_relay: str, tmp_path: Path) -> None:
-    target = tmp_path / "target"
-    target.write_text("untouched")
-    os.symlink(target, armed_relay)
-    _hooks.relay_cap_error("the cap error")
-    assert target.read_text() == "untouched"
-    assert _hooks.take_relayed_error() is None  # a symlink is not read either
-    assert target.read_text() == "untouched"
 
 
 def test_an_engine_built_later_in_the_process_sees_no_earlier_cap(mocker) -> None:
@@ -764,15 +707,18 @@ def test_an_engine_built_later_in_the_process_sees_no_earlier_cap(mocker) -> Non
     from vllm.config.compilation import CompilationConfig, CUDAGraphMode
     from vllm.v1.attention.backend import AttentionCGSupport
 
-    from vllm_kv_cache_limit import _hooks
-
     register()
     capped = _gpu_worker(40 * 1024)
     capped.vllm_config.compilation_config = CompilationConfig()
     capped.cache_config._kvcl_gate = _gate(free=20 * GiB, requested=20 * GiB, limited=False)
     # The capped engine's worker: vLLM's budget (1 GiB) is above the cap, so the cap binds.
-    assert _hooks._check_cap_fits_instance(_hooks._cuda_free_memory, mocker.Mock(return_value=GiB))(capped) == GiB
-    assert _hooks.cap_decision_of(capped.vllm_config.compilation_config).bound  # the premise
+    assert (
+        patches.worker_gate.check_cap_fits_instance(patches.devices.cuda_free_memory, mocker.Mock(return_value=GiB))(
+            capped
+        )
+        == GiB
+    )
+    assert patches.worker_gate.cap_decision_of(capped.vllm_config.compilation_config).bound  # the premise
     later = _gpu_worker(None)
     config = CompilationConfig()  # the later, uncapped engine's
     config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
@@ -784,4 +730,6 @@ def test_an_engine_built_later_in_the_process_sees_no_earlier_cap(mocker) -> Non
             AttentionCGSupport.ALWAYS, "test", kv_cache_config=kv_cache_config, max_num_reqs=16
         )
     assert type(info.value) is ValueError and "increase gpu_memory_utilization" in str(info.value)
-    assert _hooks._gate_of(later.cache_config) is None and _hooks.cap_decision_of(config) is None
+    assert (
+        patches.worker_gate.gate_of(later.cache_config) is None and patches.worker_gate.cap_decision_of(config) is None
+    )

@@ -1,6 +1,6 @@
-"""The probe's residency readings and fault-in on real memory laid out like a
-worker's KV cache: pages given back with madvise read as not resident, and
-fault-in brings them back without changing any byte."""
+"""The residency readings and fault-in of ``tests.helpers`` on real memory
+laid out like a worker's KV cache: pages given back with madvise read as not
+resident, and fault-in brings them back without changing any byte."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_kv_cache_limit import probe
+from tests import helpers
 
 MADV_DONTNEED = 4
 PAGE = mmap.PAGESIZE
@@ -43,16 +43,16 @@ def release(tensor: torch.Tensor, first_page: int, pages: int) -> None:
 def test_released_pages_read_as_not_resident_and_fault_in_brings_them_back_unchanged() -> None:
     cache = page_aligned(64)
     worker = worker_with(cache[0:32], cache[32:64])  # two layers viewing one buffer
-    assert probe.kv_cache_resident_bytes(worker) == 64 * PAGE
+    assert helpers.kv_cache_resident_bytes(worker) == 64 * PAGE
     expected = cache.clone()
     expected[8:24] = 0  # released pages read as zeros
 
     release(cache, 8, 16)
-    assert probe.kv_cache_resident_bytes(worker) == 48 * PAGE
-    assert probe.kv_cache_fault_in(worker) == 16 * PAGE
-    assert probe.kv_cache_resident_bytes(worker) == 64 * PAGE
+    assert helpers.kv_cache_resident_bytes(worker) == 48 * PAGE
+    assert helpers.kv_cache_fault_in(worker) == 16 * PAGE
+    assert helpers.kv_cache_resident_bytes(worker) == 64 * PAGE
     assert torch.equal(cache, expected)  # fault-in changed no byte
-    assert probe.kv_cache_fault_in(worker) == 0  # nothing left to bring in
+    assert helpers.kv_cache_fault_in(worker) == 0  # nothing left to bring in
 
 
 def test_fault_in_keeps_the_content_of_pages_that_are_not_resident(tmp_path: Path) -> None:
@@ -73,14 +73,14 @@ def test_fault_in_keeps_the_content_of_pages_that_are_not_resident(tmp_path: Pat
         os.close(fd)
     cache = torch.frombuffer(memory, dtype=torch.uint8, offset=100)
     worker = worker_with(cache)
-    assert probe.kv_cache_resident_bytes(worker) == 0  # the premise: no page in RAM
+    assert helpers.kv_cache_resident_bytes(worker) == 0  # the premise: no page in RAM
 
-    assert probe.kv_cache_fault_in(worker) == 8 * PAGE
-    assert probe.kv_cache_resident_bytes(worker) == 8 * PAGE - 100
+    assert helpers.kv_cache_fault_in(worker) == 8 * PAGE
+    assert helpers.kv_cache_resident_bytes(worker) == 8 * PAGE - 100
     assert bytes(cache.numpy()) == data[100:]
 
 
 def test_no_reading_for_a_cache_not_on_the_cpu() -> None:
     worker = worker_with(torch.zeros(4, device="meta"))
-    assert probe.kv_cache_resident_bytes(worker) is None
-    assert probe.kv_cache_fault_in(worker) is None
+    assert helpers.kv_cache_resident_bytes(worker) is None
+    assert helpers.kv_cache_fault_in(worker) is None

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_kv_cache_limit import register
+from vllm_kv_cache_limit import register, resizing
 from vllm_kv_cache_limit.resize import Allocation
 
 BLOCKS = 10
@@ -23,10 +23,8 @@ def pool():
 
 
 def limit_of(pool, limit: int):
-    from vllm_kv_cache_limit import _resize_hooks
-
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
-    state = _resize_hooks._Limit(allocation=allocation, limit=BLOCKS, requested=allocation.nbytes)
+    state = resizing.block_pool.Limit(allocation=allocation, limit=BLOCKS, requested=allocation.nbytes)
     pool._kvcl_limit = state
     state.limit = limit
     return state
@@ -59,12 +57,10 @@ def test_without_a_limit_vllm_is_untouched(pool) -> None:
 
 
 def test_grow_gives_withheld_blocks_back(pool) -> None:
-    from vllm_kv_cache_limit import _resize_hooks
-
     state = limit_of(pool, 4)
     state.withhold(pool, pool.blocks[4:])
     state.limit = 7
-    _resize_hooks._grow(None, pool, state)
+    resizing.engine_core._grow(None, pool, state)
     assert state.withheld == {7, 8, 9}
     assert sorted(b.block_id for b in pool.get_new_blocks(6)) == [1, 2, 3, 4, 5, 6]
 
@@ -102,7 +98,6 @@ class _FailingEngineCore:
 
 
 def test_a_change_that_fails_inside_vllm_is_rolled_back(pool) -> None:
-    from vllm_kv_cache_limit import _resize_hooks
     from vllm_kv_cache_limit.resize import KVCacheResizeFailed
 
     pool._kvcl_allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
@@ -112,17 +107,17 @@ def test_a_change_that_fails_inside_vllm_is_rolled_back(pool) -> None:
     assert free_before == [1, 2, 3, 4, 5, 8, 9]
     core = _FailingEngineCore(pool, [pool.blocks[6], pool.blocks[7]])
 
-    result = _resize_hooks._kv_cache_limit_set(core, 4 * 1024, "preempt")
+    result = resizing.engine_core._kv_cache_limit_set(core, 4 * 1024, "preempt")
 
     assert result.get("failed") is True and "preemption broke" in result["error"], result
     assert "stays at 10KiB (10 blocks)" in result["error"], result["error"]
     with pytest.raises(KVCacheResizeFailed, match="preemption broke"):
-        _resize_hooks._checked(result)
+        resizing.client._checked(result)
     state = pool._kvcl_limit
     assert (state.limit, state.requested, state.mode, state.withheld) == (BLOCKS, BLOCKS * 1024, "drain", set())
     assert sorted(b.block_id for b in pool.free_block_queue.get_all_free_blocks()) == free_before
     # And the engine resizes normally afterwards (drain: the request keeps its blocks).
-    status = _resize_hooks._kv_cache_limit_set(core, 4 * 1024, "drain")
+    status = resizing.engine_core._kv_cache_limit_set(core, 4 * 1024, "drain")
     assert "error" not in status and status["num_blocks_limit"] == 4 and status["num_blocks_in_use_above_limit"] == 2
 
 
@@ -156,15 +151,13 @@ def test_route_answers_a_failure_inside_vllm_with_500_and_bad_input_with_400(rep
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from vllm_kv_cache_limit import _resize_hooks
-
     register()
     app = FastAPI()
-    app.include_router(_resize_hooks._router(SimpleNamespace(api_key=["k"], kv_cache_max_memory=None)))
+    app.include_router(resizing.server._router(SimpleNamespace(api_key=["k"], kv_cache_max_memory=None)))
     core = _CoreClient(reply)
     app.state.engine_client = SimpleNamespace(engine_core=core)
     answer = TestClient(app).post(
-        _resize_hooks.ROUTE, json={"size": "4K", "mode": "preempt"}, headers={"Authorization": "Bearer k"}
+        resizing.server.ROUTE, json={"size": "4K", "mode": "preempt"}, headers={"Authorization": "Bearer k"}
     )
     assert answer.status_code == code, answer.text
     assert answer.json()["error"] == {"message": reply["error"], "type": kind, "param": None, "code": code}
@@ -184,8 +177,6 @@ def test_preemption_that_fails_with_a_type_error_is_not_retried() -> None:
     """A TypeError raised inside vLLM after part of the preemption ran must
     reach the caller (which rolls the change back), not trigger a second
     preemption of the same request with other arguments."""
-    from vllm_kv_cache_limit import _resize_hooks
-
     calls = []
 
     def preempt(request, timestamp, **kwargs):
@@ -194,15 +185,13 @@ def test_preemption_that_fails_with_a_type_error_is_not_retried() -> None:
 
     scheduler = _preempting_scheduler(preempt)
     with pytest.raises(TypeError, match="inside vLLM"):
-        _resize_hooks._preempt_above(scheduler, 4)
+        resizing.engine_core._preempt_above(scheduler, 4)
     assert calls == [("r0", {"drop_stale_output": True})]  # once, with this vLLM's signature
 
 
 def test_preemption_passes_only_the_parameters_this_vllm_has(monkeypatch) -> None:
-    from vllm_kv_cache_limit import _resize_hooks
-
     calls = []
     scheduler = _preempting_scheduler(lambda request, timestamp, **kwargs: calls.append(kwargs))
-    monkeypatch.setattr(_resize_hooks, "_preempt_drops_stale_output", lambda: False)  # vLLM 0.29-0.31
-    _resize_hooks._preempt_above(scheduler, 4)
+    monkeypatch.setattr(resizing.engine_core, "_preempt_drops_stale_output", lambda: False)  # vLLM 0.29-0.31
+    resizing.engine_core._preempt_above(scheduler, 4)
     assert calls == [{}] and scheduler.running == [] and scheduler.prev_step_scheduled_req_ids == set()

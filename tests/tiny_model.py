@@ -5,9 +5,9 @@ hidden size 256, 4 attention heads, 2 KV heads (head_dim 64; vLLM's CPU
 attention backend rejects head_dim 16), float32, seeded random weights, and a
 small byte-level BPE tokenizer trained here on a built-in text. Other
 architectures (Qwen2, Qwen3, Mistral, Gemma 2) come in the same size for the
-planner's tests.
+planner's tests. Not part of the package; from the repository's root:
 
-    python -m vllm_kv_cache_limit.tiny_model OUT_DIR [--arch llama]
+    python -m tests.tiny_model OUT_DIR [--arch llama]
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
-"""Start a vLLM engine, measure the KV cache its workers allocated, and print
-one JSON line. Used by the end-to-end tests and the benchmarks, each engine
-in its own process so that nothing outlives the measurement.
+"""What the tests and the benchmarks share to run vLLM engines (not part of
+the package): the engine environment, a child process with one result line,
+the workers' KV cache readings (``KVCacheProbe``, ``mincore``), OpenAI API
+servers (``api_servers``), a steady completion load and metrics.
 
-    python -m vllm_kv_cache_limit.probe '{"model": "models/tiny-llama", "kv_cache_max_memory": "16M"}'
+Run as a module it starts a vLLM engine, measures the KV cache its workers
+allocated, and prints one JSON line, each engine in its own process so that
+nothing outlives the measurement (from the repository's root):
+
+    python -m tests.helpers '{"model": "models/tiny-llama", "kv_cache_max_memory": "16M"}'
 
 The JSON object holds ``LLM(...)`` keyword arguments plus optional probe
 settings: ``prompts`` (list of str) and ``max_tokens`` for a greedy
@@ -10,6 +15,12 @@ generation. The output line starts with ``PROBE_RESULT `` and holds
 ``kv_cache_bytes`` (per worker, summed over the storages of the KV cache
 tensors), ``num_gpu_blocks``, ``block_size``, ``texts`` and, on failure,
 ``error_type`` and ``error``.
+
+Child processes find this module (``tests.helpers``, e.g. the worker
+extension ``tests.helpers.KVCacheProbe``) when they start in the repository's
+root with ``python -m`` (``run_child`` and ``api_servers`` take ``cwd``), or
+below a process that has the root on ``sys.path`` (vLLM's workers, Ray's
+workers take the driver's working directory).
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vllm_kv_cache_limit.kv_cache import kv_cache_storages, worker_kv_cache_bytes
 
 RESULT_PREFIX = "PROBE_RESULT "
 
@@ -93,34 +106,6 @@ def run_child(
     return ChildRun(result, proc.stdout + proc.stderr, proc.returncode)
 
 
-def kv_cache_tensors(worker: Any) -> list[Any]:
-    """Every tensor in a worker's ``model_runner.kv_caches`` (a list, tuple
-    or dict of them, nested)."""
-    import torch
-
-    found: list[Any] = []
-
-    def walk(item: Any) -> None:
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, (list, tuple)):
-            for sub in item:
-                walk(sub)
-        elif isinstance(item, dict):
-            for sub in item.values():
-                walk(sub)
-
-    walk(worker.model_runner.kv_caches)
-    return found
-
-
-def kv_cache_storages(worker: Any) -> dict[int, tuple[int, str]]:
-    """The distinct storages behind a worker's KV cache tensors (views of one
-    buffer count once): ``{data_ptr: (bytes, device)}``."""
-    storages = (tensor.untyped_storage() for tensor in kv_cache_tensors(worker))
-    return {s.data_ptr(): (s.nbytes(), str(s.device)) for s in storages}
-
-
 def _cpu_storage_pages(worker: Any) -> list[tuple[int, int, list[bool]]] | None:
     """``(data_ptr, bytes, resident per page)`` for each storage of a
     worker's KV cache (``mincore``; CPU backend, Linux), or None where it
@@ -183,14 +168,9 @@ def kv_cache_fault_in(worker: Any) -> int | None:
     return brought
 
 
-def worker_kv_cache_bytes(worker: Any) -> int:
-    """Bytes of KV cache a worker holds (for ``LLM.collective_rpc``)."""
-    return sum(nbytes for nbytes, _ in kv_cache_storages(worker).values())
-
-
 class KVCacheProbe:
     """Worker extension for servers under test
-    (``--worker-extension-cls vllm_kv_cache_limit.probe.KVCacheProbe``): with
+    (``--worker-extension-cls tests.helpers.KVCacheProbe``): with
     ``VLLM_SERVER_DEV_MODE=1``, ``POST /collective_rpc {"method":
     "kv_cache_bytes"}`` returns each worker's KV cache bytes."""
 
@@ -202,6 +182,11 @@ class KVCacheProbe:
 
     def kv_cache_fault_in(self) -> int | None:
         return kv_cache_fault_in(self)
+
+    def kv_cache_limit_rss_fall(self) -> int:
+        """How far this worker's RSS fell at its last release of KV cache
+        pages (measured by the plugin around its ``madvise`` calls)."""
+        return int(getattr(self, "_kvcl_rss_fall", 0))
 
 
 def worker_rss_bytes(worker: Any) -> int:

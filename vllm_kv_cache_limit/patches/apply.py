@@ -1,0 +1,50 @@
+"""Whether a hook fits the imported vLLM, and what happens when it does not:
+without a cap, a warning and vLLM untouched; in a process of an engine
+started with a cap, the cap error (fail closed).
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit import compat, envs
+from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.policy import (
+    FLAG,
+)
+from vllm_kv_cache_limit.relay import raise_cap_error
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+
+_inactive_warned = False
+
+
+def hook_ok(hook: Hook) -> bool:
+    """Check one hook against the imported vLLM; warn once when it does not
+    fit, and tell the caller to leave vLLM untouched."""
+    global _inactive_warned
+    _, problem = compat.resolve_hook(hook)
+    if problem is None:
+        return True
+    if os.environ.get(envs.ERROR_FILE):
+        # An engine-core or worker process of an engine started with a cap:
+        # never leave the cap silently unenforced.
+        raise_cap_error(compat.drift_message([problem]))
+    if not _inactive_warned and not os.environ.get(envs.INACTIVE_WARNED):
+        _inactive_warned = True
+        # Engine-core and worker processes inherit this and stay quiet: one
+        # warning per launch, from the process the user started.
+        os.environ[envs.INACTIVE_WARNED] = "1"
+        logger.warning(
+            "vllm-kv-cache-limit is inactive: %s (installed vLLM %s; supported: %s). "
+            "vLLM runs unchanged; %s would fail.",
+            problem,
+            compat.installed_vllm_version(),
+            compat.SUPPORTED_VLLM[1],
+            FLAG,
+        )
+    return False

@@ -1,0 +1,202 @@
+"""vllm.engine.arg_utils: the engine argument, the CLI flag and the cap in the
+engine config (checked against the device before anything loads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit import compat, envs, startup_lock
+from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.config import FIELD, KVCacheLimitConfig
+from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.patches.apply import hook_ok
+from vllm_kv_cache_limit.patches.devices import check_fits_before_load, device_total_memory
+from vllm_kv_cache_limit.patches.wrap import wrap
+from vllm_kv_cache_limit.policy import (
+    ENV_VAR,
+    FLAG,
+    cap_explicit_size,
+    check_cap_within_total,
+    resolve_cap,
+)
+from vllm_kv_cache_limit.relay import arm_error_relay
+from vllm_kv_cache_limit.sizes import argparse_size, parse_size
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+
+def patch(module: Any) -> None:
+    """Add ``kv_cache_max_memory`` to ``EngineArgs`` (and its subclasses such
+    as ``AsyncEngineArgs``), to the CLI, and to the engine config."""
+    engine_args = module.EngineArgs
+    if not hook_ok(ENGINE_ARGS_INIT):
+        return
+    for cls in _with_subclasses(engine_args):
+        # Dataclass subclasses have their own generated __init__ and fields.
+        if "__init__" in cls.__dict__ and "__dataclass_fields__" in cls.__dict__:
+            add_engine_args_field(cls)
+    if hook_ok(ENGINE_ARGS_ADD_CLI_ARGS):
+        wrap(engine_args, "add_cli_args", _add_cli_flag, static=True)
+    if hook_ok(ENGINE_ARGS_CREATE_ENGINE_CONFIG):
+        wrap(engine_args, "create_engine_config", _carry_cap_into_config)
+
+
+def _with_subclasses(cls: type) -> list[type]:
+    found, stack = [], [cls]
+    while stack:
+        current = stack.pop()
+        found.append(current)
+        stack.extend(current.__subclasses__())
+    return found
+
+
+def add_engine_args_field(cls: type) -> None:
+    """Why: ``LLM(model, kv_cache_max_memory=...)`` passes its keywords to
+    ``EngineArgs(**kwargs)``, ``from_cli_args`` copies the dataclass fields
+    from the parsed CLI, and ``vllm bench`` rebuilds ``LLM`` from
+    ``dataclasses.asdict(engine_args)``; all need a real dataclass field.
+    How: registers the field on the existing class and wraps its generated
+    ``__init__`` to accept, validate and store the keyword.
+    Upstream: an ``EngineArgs.kv_cache_max_memory`` field."""
+    if FIELD in cls.__dict__.get("__dataclass_fields__", {}):
+        return
+    field: dataclasses.Field[Any] = dataclasses.field(default=None)  # type: ignore[arg-type]
+    field.name = FIELD
+    field.type = "str | int | None"
+    field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
+    cls.__dataclass_fields__[FIELD] = field  # type: ignore[attr-defined]
+    setattr(cls, FIELD, None)
+
+    def make(original_init: Callable) -> Callable:
+        def __init__(self: Any, *args: Any, kv_cache_max_memory: str | int | None = None, **kwargs: Any) -> None:
+            if kv_cache_max_memory is not None:
+                kv_cache_max_memory = parse_size(kv_cache_max_memory)
+            self.kv_cache_max_memory = kv_cache_max_memory
+            original_init(self, *args, **kwargs)
+
+        return __init__
+
+    wrap(cls, "__init__", make)
+
+
+def _flag_help() -> str:
+    # The help is the field's docstring, read as vLLM reads its config fields.
+    from vllm.config.utils import get_attr_docs
+
+    # argparse expands %-formats in help texts.
+    return get_attr_docs(KVCacheLimitConfig)[FIELD].replace("%", "%%")
+
+
+def _add_cli_flag(original: Callable) -> Callable:
+    """Why: every entry point that builds engine arguments (serve, the
+    api_server module, bench, run-batch) calls ``EngineArgs.add_cli_args``.
+    How: after the original, adds ``--kv-cache-max-memory`` to its
+    ``CacheConfig`` group. Upstream: a field on ``CacheConfig``."""
+
+    def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = original(parser, *args, **kwargs)
+        if any(FLAG in action.option_strings for action in parser._actions):
+            return parser
+        group = next((g for g in parser._action_groups if g.title == "CacheConfig"), parser)
+        group.add_argument(
+            FLAG,
+            dest=FIELD,
+            type=argparse_size,
+            default=None,
+            metavar="SIZE",
+            help=_flag_help(),
+        )
+        return parser
+
+    return add_cli_args
+
+
+def _carry_cap_into_config(original: Callable) -> Callable:
+    """Why: the cap must reach the engine core and every worker.
+    How: resolves the cap (argument, else ``VLLM_KV_CACHE_MAX_MEMORY``),
+    refuses one above the device's total memory before anything loads, calls
+    the original, then sets ``cache_config.kv_cache_max_memory`` (pickled to
+    every process; shown by ``CacheConfig.metrics_info``) and reduces an
+    explicit ``kv_cache_memory_bytes`` above the cap.
+    Upstream: ``CacheConfig.kv_cache_max_memory`` and the same checks in
+    ``VllmConfig.__post_init__``."""
+
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        register_environment_variables()
+        cap = resolve_cap(getattr(self, FIELD, None), os.environ.get(ENV_VAR))
+        if cap is None:
+            # No cap in force for the processes this engine starts.
+            os.environ.pop(envs.ERROR_FILE, None)
+            return original(self, *args, **kwargs)
+        from vllm_kv_cache_limit import _bootstrap
+
+        if _bootstrap.failed:
+            raise KVCacheMaxMemoryError(_bootstrap.hook_failure_message(sorted(_bootstrap.failed.values())))
+        total, device = device_total_memory()
+        check_cap_within_total(cap, total, device)
+        problems = compat.check_hooks_at_startup()
+        if problems:
+            raise KVCacheMaxMemoryError(compat.drift_message(problems))
+        startup_lock.lock_timeout()  # a bad value fails here, quoted
+        config = original(self, *args, **kwargs)
+        cache_config = config.cache_config
+        setattr(cache_config, FIELD, cap)
+        reduced, warning = cap_explicit_size(cache_config.kv_cache_memory_bytes, cap)
+        if warning:
+            logger.warning(warning)
+            cache_config.kv_cache_memory_bytes = reduced
+        check_fits_before_load(config, cap)
+        arm_error_relay()
+        return config
+
+    return create_engine_config
+
+
+def register_environment_variables() -> None:
+    """Why: vLLM checks every ``VLLM_*`` variable against its own table when
+    it builds the engine config (``validate_environ``), and warns about, or
+    with ``--fail-on-environ-validation`` refuses, the plugin's. How: adds
+    the plugin's variables that are set to ``vllm.envs.environment_variables``
+    before the original runs. Upstream: the variables in ``vllm.envs``."""
+    import vllm.envs
+
+    envs.register_with_vllm(vllm.envs.environment_variables)
+
+
+ENGINE_ARGS_INIT = Hook(
+    ("vllm.engine.arg_utils",),
+    "EngineArgs.__init__",
+    wrapper=add_engine_args_field,
+    upstream="none yet: an `EngineArgs.kv_cache_max_memory` field",
+    remove_when="vLLM has the field in every supported release",
+)
+
+ENGINE_ARGS_ADD_CLI_ARGS = Hook(
+    ("vllm.engine.arg_utils",),
+    "EngineArgs.add_cli_args",
+    ("parser",),
+    wrapper=_add_cli_flag,
+    upstream="none yet: a `CacheConfig.kv_cache_max_memory` field (the flag follows from it)",
+    remove_when="vLLM has the field in every supported release",
+)
+
+ENGINE_ARGS_CREATE_ENGINE_CONFIG = Hook(
+    ("vllm.engine.arg_utils",),
+    "EngineArgs.create_engine_config",
+    ("self",),
+    wrapper=_carry_cap_into_config,
+    upstream="none yet: the field and its checks in `VllmConfig.__post_init__`",
+    remove_when="vLLM carries and checks the cap itself",
+)
+
+HOOKS = (ENGINE_ARGS_INIT, ENGINE_ARGS_ADD_CLI_ARGS, ENGINE_ARGS_CREATE_ENGINE_CONFIG)
+
+TARGETS = {"vllm.engine.arg_utils": patch}
+"""vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""

@@ -1,0 +1,77 @@
+"""vllm.config.compilation: hybrid (Mamba) models with full CUDA graphs."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.kv_cache import bytes_per_block
+from vllm_kv_cache_limit.patches.apply import hook_ok
+from vllm_kv_cache_limit.patches.worker_gate import cap_decision_of
+from vllm_kv_cache_limit.patches.wrap import wrap
+from vllm_kv_cache_limit.policy import (
+    mamba_blocks_message,
+)
+from vllm_kv_cache_limit.relay import raise_cap_error
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+
+def patch(module: Any) -> None:
+    """Why: with full CUDA graphs, vLLM needs a KV cache block per decoding
+    sequence of a hybrid (Mamba) model and otherwise tells the user to raise
+    ``gpu_memory_utilization``; under a binding cap that advice is wrong.
+    How: wraps ``CompilationConfig.resolve_cudagraph_mode_and_sizes`` (run in
+    each worker once the KV cache is sized); when it refuses and the cap
+    made the block count too small, raises an error naming the cap.
+    Upstream: a message naming the cap."""
+    if hook_ok(COMPILATION_CONFIG_RESOLVE_CUDAGRAPH_MODE_AND_SIZES):
+        wrap(module.CompilationConfig, "resolve_cudagraph_mode_and_sizes", _name_cap_when_mamba_blocks_short)
+
+
+def _name_cap_when_mamba_blocks_short(original: Callable) -> Callable:
+
+    signature = inspect.signature(original)
+
+    def resolve_cudagraph_mode_and_sizes(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except ValueError:
+            decision = cap_decision_of(self)
+            bound = signature.bind(self, *args, **kwargs).arguments
+            kv_cache_config, max_num_reqs = bound.get("kv_cache_config"), bound.get("max_num_reqs")
+            if (
+                decision is None
+                or not decision.bound
+                or kv_cache_config is None
+                or max_num_reqs is None
+                or not kv_cache_config.has_mamba_layers
+                or max_num_reqs <= kv_cache_config.num_blocks
+            ):
+                raise
+            block_bytes = bytes_per_block(kv_cache_config)
+            raise_cap_error(mamba_blocks_message(decision.cap, kv_cache_config.num_blocks, max_num_reqs, block_bytes))
+
+    return resolve_cudagraph_mode_and_sizes
+
+
+COMPILATION_CONFIG_RESOLVE_CUDAGRAPH_MODE_AND_SIZES = Hook(
+    ("vllm.config.compilation",),
+    "CompilationConfig.resolve_cudagraph_mode_and_sizes",
+    # kv_cache_config and max_num_reqs are read by name (0.29-0.31 put
+    # tensor_parallel_size before them).
+    ("self", "min_cg_support", "min_cg_attn_backend"),
+    wrapper=_name_cap_when_mamba_blocks_short,
+    upstream="none yet: vLLM's message naming the cap",
+    remove_when="vLLM applies the cap (the message follows)",
+)
+
+HOOKS = (COMPILATION_CONFIG_RESOLVE_CUDAGRAPH_MODE_AND_SIZES,)
+
+TARGETS = {"vllm.config.compilation": patch}
+"""vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""

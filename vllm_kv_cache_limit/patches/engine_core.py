@@ -1,0 +1,255 @@
+"""vllm.v1.engine.core: the block count under the cap, its errors, and the
+start-up lock around the engine core's start.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit import compat, startup_lock
+from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.config import cap_of
+from vllm_kv_cache_limit.kv_cache import backing_bytes
+from vllm_kv_cache_limit.patches.apply import hook_ok
+from vllm_kv_cache_limit.patches.devices import instance_devices
+from vllm_kv_cache_limit.patches.wrap import wrap
+from vllm_kv_cache_limit.policy import (
+    CapDecision,
+    auto_fit_message,
+    cap_block_override,
+    cap_error_message,
+    too_small_message,
+)
+from vllm_kv_cache_limit.relay import raise_cap_error, relay_cap_error
+from vllm_kv_cache_limit.sizes import format_gib, format_size
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+
+_active = threading.local()
+
+
+def patch(module: Any) -> None:
+    """Why: the engine core turns each worker's KV budget into the number of
+    blocks in ``get_kv_cache_configs``; the cap belongs there.
+    How: wraps the engine core's ``get_kv_cache_configs`` and, in the module
+    that defines it, ``_check_enough_kv_cache_memory`` (for an error that
+    names the cap). Upstream: ``min(available_memory, kv_cache_max_memory)``
+    in ``get_kv_cache_configs``."""
+    if not (hook_ok(GET_KV_CACHE_CONFIGS) and hook_ok(CHECK_ENOUGH_KV_CACHE_MEMORY) and hook_ok(ENGINE_CORE_INIT)):
+        return
+    wrap(module.EngineCore, "__init__", _hold_startup_lock)
+    wrap(module, "get_kv_cache_configs", _cap_kv_cache_configs)
+    planner, _ = compat.resolve_hook(CHECK_ENOUGH_KV_CACHE_MEMORY)
+    planner_module = __import__(planner.__module__, fromlist=["_"])
+    wrap(planner_module, "_check_enough_kv_cache_memory", _name_cap_when_too_small)
+    if hook_ok(AUTO_FIT_MAX_MODEL_LEN):
+        wrap(planner_module, "_auto_fit_max_model_len", _name_cap_when_auto_fit_fails)
+
+
+def _hold_startup_lock(original: Callable) -> Callable:
+    """Why: instances that measure memory at the same time count each other's
+    memory (see ``startup_lock``). How: with a cap, ``EngineCore.__init__``
+    (which starts the workers, profiles, allocates the KV cache and warms up,
+    capturing CUDA graphs) runs holding the start-up lock of every local
+    device; a cap error it fails with (also one a Ray worker on another node
+    raised) goes to the relay for the first process. Upstream: none yet;
+    vLLM measures device-wide free memory."""
+
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        if cap_of(vllm_config.cache_config) is None:
+            return original(self, vllm_config, *args, **kwargs)
+        try:
+            if not startup_lock.enabled():
+                return original(self, vllm_config, *args, **kwargs)
+            if vllm_config.parallel_config.data_parallel_size > 1:
+                # Only a mixture-of-experts model keeps data_parallel_size > 1
+                # in its engine cores (vLLM runs a dense model's ranks as
+                # independent DP=1 engines). Its ranks start in lockstep, their
+                # workers joining one process group: a rank holding the lock
+                # would wait for a rank waiting for the lock.
+                logger.info(
+                    "No KV cache start-up lock for data-parallel rank %d of %d: the ranks of a "
+                    "mixture-of-experts model start together, and a lock between them would deadlock.",
+                    vllm_config.parallel_config.data_parallel_rank,
+                    vllm_config.parallel_config.data_parallel_size,
+                )
+                return original(self, vllm_config, *args, **kwargs)
+            try:
+                devices, _ = instance_devices(vllm_config)
+            except Exception as exc:
+                logger.warning("No KV cache start-up lock: the devices could not be named (%r).", exc)
+                devices = []
+            with startup_lock.acquire([(d.key, d.label) for d in devices]):
+                return original(self, vllm_config, *args, **kwargs)
+        except Exception as exc:
+            # A worker on another node (Ray) cannot reach the relay file; its
+            # error reaches this process inside the executor's exception.
+            message = cap_error_message(exc)
+            if message:
+                relay_cap_error(message)
+            raise
+
+    return __init__
+
+
+def _cap_kv_cache_configs(original: Callable) -> Callable:
+    def get_kv_cache_configs(
+        vllm_config: Any, kv_cache_specs: Any, available_memory: list[int], *args: Any, **kwargs: Any
+    ) -> Any:
+        cache_config = vllm_config.cache_config
+        cap = cap_of(cache_config)
+        if cap is None:
+            return original(vllm_config, kv_cache_specs, available_memory, *args, **kwargs)
+        decisions = [CapDecision(budget=m, cap=cap) for m in available_memory]
+        capped = [d.kv_bytes for d in decisions]
+        _active.decision = decisions
+        try:
+            override = cache_config.num_gpu_blocks_override
+            if override is not None:
+                # vLLM's own block count for exactly `cap` bytes, override off.
+                cache_config.num_gpu_blocks_override = None
+                try:
+                    fit = original(vllm_config, kv_cache_specs, [cap] * len(capped), *args, **kwargs)
+                finally:
+                    cache_config.num_gpu_blocks_override = override
+                reduced, warning = cap_block_override(override, min(c.num_blocks for c in fit), cap)
+                if warning:
+                    logger.warning(warning)
+                    cache_config.num_gpu_blocks_override = reduced
+            configs = original(vllm_config, kv_cache_specs, capped, *args, **kwargs)
+        finally:
+            _active.decision = None
+        _log_decision(vllm_config, decisions, configs)
+        return configs
+
+    return get_kv_cache_configs
+
+
+def _log_decision(vllm_config: Any, decisions: list[CapDecision], configs: list[Any]) -> None:
+    cap = decisions[0].cap
+    budget = min(d.budget for d in decisions)
+    num_blocks = min(c.num_blocks for c in configs)
+    try:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+        tokens = get_kv_cache_capacity(vllm_config, configs[0])[0]
+    except Exception:
+        tokens = num_blocks * vllm_config.cache_config.block_size
+    allocated = max(backing_bytes(c) for c in configs)
+    logger.info(
+        "KV cache max memory: %s = %d bytes (%s GiB) per device; vLLM budget "
+        "%d bytes (%s GiB); cap %s; %d blocks, %d tokens. Allocating %d bytes "
+        '(%s GiB) of KV cache per device; vLLM\'s "Available KV cache memory" '
+        "above is its budget before the cap.",
+        format_size(cap, "up"),
+        cap,
+        format_gib(cap),
+        budget,
+        format_gib(budget),
+        _bound_text(vllm_config.cache_config, decisions),
+        num_blocks,
+        tokens,
+        allocated,
+        format_gib(allocated),
+    )
+
+
+def _name_cap_when_auto_fit_fails(original: Callable) -> Callable:
+    """vLLM's ``--max-model-len auto`` fails telling the user to raise
+    ``gpu_memory_utilization``; when the cap made the memory too small, name
+    the cap. Upstream: a message naming the cap."""
+
+    def _auto_fit_max_model_len(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except ValueError:
+            decisions = getattr(_active, "decision", None)
+            if not decisions or not any(d.bound for d in decisions):
+                raise
+            raise_cap_error(auto_fit_message(decisions[0].cap))
+
+    return _auto_fit_max_model_len
+
+
+def _bound_text(cache_config: Any, decisions: list[CapDecision]) -> str:
+    if any(d.bound for d in decisions):
+        return "bound (KV cache reduced to the cap)"
+    if cache_config.kv_cache_memory_bytes is not None:
+        return "not bound (--kv-cache-memory-bytes is smaller)"
+    return f"not bound (vLLM's budget under --gpu-memory-utilization {cache_config.gpu_memory_utilization} is smaller)"
+
+
+def _name_cap_when_too_small(original: Callable) -> Callable:
+    """vLLM's check names ``gpu_memory_utilization``; when the cap made the
+    memory too small, name the cap, reusing vLLM's estimates."""
+
+    def _check_enough_kv_cache_memory(
+        available_memory: int,
+        get_needed_memory: Callable[[], int],
+        max_model_len: int,
+        estimate_max_model_len: Callable[[int], int],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        try:
+            return original(available_memory, get_needed_memory, max_model_len, estimate_max_model_len, *args, **kwargs)
+        except ValueError:
+            decisions = getattr(_active, "decision", None)
+            if not decisions or not any(d.bound for d in decisions):
+                raise
+            # vLLM checks against the capped memory less the block it always
+            # reserves (the null block); a cap must hold both.
+            reserved = max(0, min(d.kv_bytes for d in decisions) - available_memory)
+            needed = get_needed_memory()
+            estimate = estimate_max_model_len(available_memory) if available_memory > 0 else 0
+            raise_cap_error(too_small_message(decisions[0].cap, needed, reserved, max_model_len, estimate))
+
+    return _check_enough_kv_cache_memory
+
+
+GET_KV_CACHE_CONFIGS = Hook(
+    ("vllm.v1.engine.core",),
+    "get_kv_cache_configs",
+    ("vllm_config", "kv_cache_specs", "available_memory"),
+    wrapper=_cap_kv_cache_configs,
+    upstream="none yet: `min(available_memory, kv_cache_max_memory)` in `get_kv_cache_configs`",
+    remove_when="vLLM applies a KV cache cap itself",
+)
+
+CHECK_ENOUGH_KV_CACHE_MEMORY = Hook(
+    ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"),
+    "_check_enough_kv_cache_memory",
+    ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
+    wrapper=_name_cap_when_too_small,
+    upstream="none yet: vLLM's message naming the cap",
+    remove_when="vLLM applies the cap (the message follows)",
+)
+
+AUTO_FIT_MAX_MODEL_LEN = Hook(
+    ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"),
+    "_auto_fit_max_model_len",
+    wrapper=_name_cap_when_auto_fit_fails,
+    upstream="none yet: vLLM's message naming the cap",
+    remove_when="vLLM applies the cap (the message follows)",
+)
+
+ENGINE_CORE_INIT = Hook(
+    ("vllm.v1.engine.core",),
+    "EngineCore.__init__",
+    ("self", "vllm_config"),
+    wrapper=_hold_startup_lock,
+    upstream="none yet: per-instance memory accounting instead of device-wide free-memory deltas "
+    "(vllm #55827, #17979 describe the miscount; PR #18974 asks for several instances per GPU)",
+    remove_when="vLLM measures only its own process's memory",
+)
+
+HOOKS = (GET_KV_CACHE_CONFIGS, CHECK_ENOUGH_KV_CACHE_MEMORY, AUTO_FIT_MAX_MODEL_LEN, ENGINE_CORE_INIT)
+
+TARGETS = {"vllm.v1.engine.core": patch}
+"""vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""

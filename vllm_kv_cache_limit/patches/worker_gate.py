@@ -1,0 +1,139 @@
+"""The workers' start-up gate as a ceiling, and the cap against what the
+instance can get after vLLM's profiling (shared by the GPU and CPU workers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit.config import cap_of
+from vllm_kv_cache_limit.patches.ranks import decide_together
+from vllm_kv_cache_limit.policy import (
+    FLAG,
+    CapDecision,
+    check_cap_within_instance,
+    check_explicit_size_within_free,
+)
+from vllm_kv_cache_limit.sizes import format_gib
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+
+@dataclasses.dataclass
+class Gate:
+    """What vLLM's start-up gate asked for in this worker process."""
+
+    device: str
+    total: int
+    free: int
+    """Free memory at the first snapshot."""
+    requested: int
+    """What the worker finally requested (vLLM's budget before non-KV memory)."""
+    limited_by_free: bool
+    """Whether free memory, not ``--gpu-memory-utilization``, set ``requested``."""
+
+
+def gate_of(cache_config: Any) -> Gate | None:
+    """The start-up gate of the worker whose ``cache_config`` this is (set
+    there by its gate hook; a later engine has a config of its own)."""
+    return getattr(cache_config, "_kvcl_gate", None)
+
+
+CPU_GATE_SLACK_FRACTION = 0.01
+"""On the CPU backend vLLM reads free memory again after our reading; ask for
+1% (at least 16 MiB) less than what was free so that a few pages moving in
+between do not fail its gate."""
+
+
+def cpu_gate_slack(free: int) -> int:
+    return max(16 * 2**20, int(free * CPU_GATE_SLACK_FRACTION))
+
+
+def log_gate(gate: Gate, utilization: float) -> None:
+    """One line per worker: what it requested at its first memory snapshot,
+    and when (the start-up lock's logs show the windows do not overlap)."""
+    wanted = int(gate.total * utilization)
+    if gate.limited_by_free:
+        logger.info(
+            "--gpu-memory-utilization %s asks for %s GiB of the %s, but %s GiB is "
+            "free at start-up; with %s the utilization is a ceiling, so this "
+            "instance requests %s GiB (memory snapshot at %.3f).",
+            utilization,
+            format_gib(wanted),
+            gate.device,
+            format_gib(gate.free),
+            FLAG,
+            format_gib(gate.requested),
+            time.time(),
+        )
+    else:
+        logger.info(
+            "--gpu-memory-utilization %s requests %s GiB of the %s; %s GiB is free "
+            "at start-up (memory snapshot at %.3f).",
+            utilization,
+            format_gib(gate.requested),
+            gate.device,
+            format_gib(gate.free),
+            time.time(),
+        )
+
+
+def check_cap_fits_instance(
+    read_free: Callable[[Any], tuple[int, int, str]],
+    original: Callable,
+    before_profile: Callable[[Any], None] | None = None,
+) -> Callable:
+    """Why: a cap above what the device can still give this instance would
+    silently not bind; an explicit size above the free memory would fail
+    inside vLLM. How: wraps a worker's ``determine_available_memory``
+    (``read_free`` reads its device; ``before_profile`` runs before vLLM's
+    profiling: the CPU worker's second gate); every rank decides together.
+    Upstream: the free-memory checks where vLLM profiles."""
+
+    def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cap = cap_of(self.cache_config)
+        if cap is None:
+            return original(self, *args, **kwargs)
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit is not None:
+            # vLLM allocates exactly this much without measuring.
+            free, total, device = read_free(self)
+            decide_together(lambda: check_explicit_size_within_free(min(explicit, cap), cap, free, total, device))
+            record_worker_cap(self, int(explicit), cap)
+            return original(self, *args, **kwargs)
+        if before_profile is not None:
+            before_profile(self)
+
+        def profile_and_check() -> Any:
+            # vLLM's own profiling runs inside the shared decision too, so a
+            # rank where it raises still tells the others.
+            budget = original(self, *args, **kwargs)
+            record_worker_cap(self, int(budget), cap)
+            gate = gate_of(self.cache_config)
+            if gate is not None and gate.limited_by_free:
+                check_cap_within_instance(cap, int(budget), gate.free, gate.requested - int(budget), gate.device)
+            return budget
+
+        return decide_together(profile_and_check)
+
+    return determine_available_memory
+
+
+def record_worker_cap(worker: Any, budget: int, cap: int) -> None:
+    """Keep the cap and this worker's budget on the compilation config of
+    the worker's engine: its model runner calls that config's
+    ``resolve_cudagraph_mode_and_sizes`` once the KV cache is sized, and an
+    engine built later in the same process has a config of its own."""
+    worker.vllm_config.compilation_config._kvcl_cap_decision = CapDecision(budget=budget, cap=cap)
+
+
+def cap_decision_of(compilation_config: Any) -> CapDecision | None:
+    """The cap decision of the worker whose engine this compilation config
+    belongs to (None: no cap in force there)."""
+    return getattr(compilation_config, "_kvcl_cap_decision", None)

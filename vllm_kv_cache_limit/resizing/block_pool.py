@@ -1,0 +1,122 @@
+"""vllm.v1.core.block_pool: withhold blocks above the run-time limit."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit import resize
+from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.patches.wrap import wrap
+from vllm_kv_cache_limit.resize import Allocation
+from vllm_kv_cache_limit.resizing.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+
+@dataclasses.dataclass
+class Limit:
+    """The limit in force on one block pool (set on it as ``_kvcl_limit``)."""
+
+    allocation: Allocation
+    limit: int
+    requested: int
+    mode: str = "drain"
+    withheld: set[int] = dataclasses.field(default_factory=set)
+    released_from: int | None = None
+    released_bytes: int = 0
+
+    def withhold(self, pool: Any, blocks: list[Any]) -> None:
+        """Take free blocks at or above the limit out of the free queue (and
+        the prefix cache), so the scheduler never hands them out."""
+        for block in blocks:
+            if block.block_id < self.limit or block.ref_cnt != 0 or block.is_null:
+                continue
+            if block.prev_free_block is None:  # not in the free queue
+                continue
+            if pool.enable_caching:
+                pool._maybe_evict_cached_block(block)
+            pool.free_block_queue.remove(block)
+            self.withheld.add(block.block_id)
+
+    def release_due(self) -> bool:
+        """Whether every block above the limit is withheld (none is in use)
+        while their pages have not been returned at this limit yet."""
+        above = self.allocation.num_blocks - self.limit
+        return above > 0 and self.released_from != self.limit and len(self.withheld) == above
+
+
+def patch(module: Any) -> None:
+    """Why: the scheduler allocates from ``BlockPool.free_block_queue``; a
+    run-time limit must keep blocks above it out of that queue, also when
+    requests free them. How: wraps ``BlockPool.free_blocks`` (and
+    ``unpin_blocks`` where present) to withhold freed blocks above the limit,
+    and ``get_usage`` to be relative to the limit; without a limit both call
+    vLLM's original unchanged. Upstream: none yet (a resizable block pool)."""
+    pool = module.BlockPool
+    # ``unpin_blocks`` where this vLLM has it: it frees blocks as ``free_blocks`` does.
+    for name in ("free_blocks", "unpin_blocks"):
+        if hasattr(pool, name):
+            optional(BLOCK_POOL_FREE_BLOCKS, functools.partial(wrap, pool, name, _withhold_after))
+    optional(BLOCK_POOL_GET_USAGE, functools.partial(wrap, pool, "get_usage", _usage_under_limit))
+
+
+def _withhold_after(original: Callable) -> Callable:
+    def method(self: Any, blocks: Any, *args: Any, **kwargs: Any) -> Any:
+        limit: Limit | None = getattr(self, "_kvcl_limit", None)
+        if limit is None:
+            return original(self, blocks, *args, **kwargs)
+        blocks = list(blocks)
+        result = original(self, blocks, *args, **kwargs)
+        limit.withhold(self, blocks)
+        return result
+
+    return method
+
+
+def _usage_under_limit(original: Callable) -> Callable:
+    def get_usage(self: Any) -> float:
+        limit: Limit | None = getattr(self, "_kvcl_limit", None)
+        if limit is None:
+            return original(self)
+        usable = limit.limit - resize.NULL_BLOCKS
+        if usable <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.get_num_free_blocks() / usable))
+
+    return get_usage
+
+
+BLOCK_POOL_FREE_BLOCKS = Hook(
+    ("vllm.v1.core.block_pool",),
+    "BlockPool.free_blocks",
+    ("self", "ordered_blocks"),
+    wrapper=_withhold_after,
+    upstream=RESIZE_UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
+BLOCK_POOL_GET_USAGE = Hook(
+    ("vllm.v1.core.block_pool",),
+    "BlockPool.get_usage",
+    ("self",),
+    wrapper=_usage_under_limit,
+    upstream=RESIZE_UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
+BLOCK_POOL_MAYBE_EVICT_CACHED_BLOCK = Hook(
+    ("vllm.v1.core.block_pool",), "BlockPool._maybe_evict_cached_block", ("self", "block")
+)
+
+FREE_BLOCK_QUEUE_REMOVE = Hook(("vllm.v1.core.kv_cache_utils",), "FreeKVCacheBlockQueue.remove", ("self", "block"))
+
+HOOKS = (BLOCK_POOL_FREE_BLOCKS, BLOCK_POOL_GET_USAGE, BLOCK_POOL_MAYBE_EVICT_CACHED_BLOCK, FREE_BLOCK_QUEUE_REMOVE)
+
+TARGETS = {"vllm.v1.core.block_pool": patch}
+"""vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""

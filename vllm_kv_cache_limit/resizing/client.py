@@ -1,0 +1,146 @@
+"""The Python API of run-time resize, for ``LLM`` and ``AsyncLLM``: the
+client side of the engine cores' utility methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit import resize
+from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.errors import KVCacheResizeError, KVCacheResizeFailed
+from vllm_kv_cache_limit.resizing.availability import problem_of, require_hooks
+from vllm_kv_cache_limit.sizes import format_size
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+
+POLL_S = 0.05
+
+
+def _client(engine: Any) -> Any:
+    require_hooks()  # the client's attributes too (compat.RESIZE_ATTRIBUTES)
+    engine = getattr(engine, "llm_engine", engine)  # LLM -> LLMEngine
+    return engine.engine_core
+
+
+def _call(engine: Any, method: str, *args: Any) -> dict[str, Any]:
+    client = _client(engine)
+    if hasattr(client, "call_utility"):
+        result = client.call_utility(method, *args)
+    else:  # InprocClient: the engine core lives in this process
+        result = getattr(client.engine_core, method)(*args)
+    return _checked(result)
+
+
+async def _call_async(engine: Any, method: str, *args: Any) -> dict[str, Any]:
+    client = _client(engine)
+    engines = list(client.core_engines)  # every AsyncLLM client is an MPClient
+    if len(engines) < 2:
+        return _checked(await client.call_utility_async(method, *args))
+    # Data parallel: every engine core has its own scheduler and workers, and
+    # vLLM's client sends a utility call to one of them (or to all, keeping
+    # the first reply). Each gets the call, and the replies are merged.
+    problem = problem_of(ASYNC_MP_CLIENT_CALL_UTILITY_ASYNC)
+    if problem:
+        raise KVCacheResizeError(f"Run-time KV cache resize with data parallel is unavailable in this vLLM: {problem}")
+
+    async def each(call: str, *values: Any) -> list[Any]:
+        return await asyncio.gather(*(client._call_utility_async(call, *values, engine=e) for e in engines))
+
+    before = [_checked(s) for s in await each("kv_cache_limit_status")] if method == "kv_cache_limit_set" else []
+    replies = await each(method, *args)
+    restore = resize.restore_targets(before, replies) if before else []
+    if restore:
+        # Refused or failed on some engine cores: those that took the change
+        # go back to the limit they had, so the engine keeps one limit.
+        await asyncio.gather(*(_restore(client, engines, *target) for target in restore))
+        refused = [index for index, reply in enumerate(replies) if resize.is_error(reply)]
+        worst = max((replies[index] for index in refused), key=lambda reply: bool(reply.get("failed")))
+        raise _exception(
+            {
+                **worst,
+                "error": f"{worst['error']} (data-parallel engine cores {refused}; "
+                "the others were set back to the limit they had)",
+            }
+        )
+    return resize.merged([_checked(reply) for reply in replies])
+
+
+async def _restore(client: Any, engines: list[Any], index: int, size: int, mode: str) -> None:
+    reply = await client._call_utility_async("kv_cache_limit_set", size, mode, engine=engines[index])
+    if resize.is_error(reply):
+        logger.warning(
+            "Data-parallel engine core %d took the KV cache limit change and could not be set back to %s: %s",
+            index,
+            format_size(size),
+            reply["error"],
+        )
+
+
+def _checked(result: Any) -> dict[str, Any]:
+    if resize.is_error(result):
+        raise _exception(result)
+    return dict(result)
+
+
+def _exception(reply: dict[str, Any]) -> KVCacheResizeError:
+    """The error an engine core's ``{"error": ...}`` reply is raised as."""
+    return (KVCacheResizeFailed if reply.get("failed") else KVCacheResizeError)(reply["error"])
+
+
+def _arguments(size: object, mode: object, timeout_s: object) -> tuple[int, str, float]:
+    return resize.parse_target(size), resize.parse_mode(mode), resize.parse_timeout(timeout_s)
+
+
+def set_kv_cache_max_memory(llm: Any, size: int | str, mode: str = "drain", timeout_s: float = 60.0) -> dict[str, Any]:
+    """Change the KV cache limit of a running ``LLM`` (per worker, within
+    what it allocated at start-up); returns when the limit holds, or at the
+    timeout with the status so far (``holds`` says which)."""
+    nbytes, mode, timeout_s = _arguments(size, mode, timeout_s)
+    status = _call(llm, "kv_cache_limit_set", nbytes, mode)
+    deadline = time.monotonic() + timeout_s
+    while not status["holds"] and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        status = _call(llm, "kv_cache_limit_status")
+    return status
+
+
+def kv_cache_limit_status(llm: Any) -> dict[str, Any]:
+    """The KV cache limit in force on a running ``LLM`` and its blocks."""
+    return _call(llm, "kv_cache_limit_status")
+
+
+async def async_set_kv_cache_max_memory(
+    engine: Any, size: int | str, mode: str = "drain", timeout_s: float = 60.0
+) -> dict[str, Any]:
+    """:func:`set_kv_cache_max_memory` for an ``AsyncLLM``."""
+    nbytes, mode, timeout_s = _arguments(size, mode, timeout_s)
+    status = await _call_async(engine, "kv_cache_limit_set", nbytes, mode)
+    deadline = time.monotonic() + timeout_s
+    while not status["holds"] and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)
+        status = await _call_async(engine, "kv_cache_limit_status")
+    return status
+
+
+async def async_kv_cache_limit_status(engine: Any) -> dict[str, Any]:
+    """:func:`kv_cache_limit_status` for an ``AsyncLLM``."""
+    return await _call_async(engine, "kv_cache_limit_status")
+
+
+ASYNC_MP_CLIENT_CALL_UTILITY_ASYNC = Hook(
+    ("vllm.v1.engine.core_client",), "AsyncMPClient._call_utility_async", ("self", "method")
+)
+
+HOOKS = (ASYNC_MP_CLIENT_CALL_UTILITY_ASYNC,)
+"""Called, not wrapped."""
+
+TARGETS: dict[str, Callable[[Any], None]] = {}
+"""vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""

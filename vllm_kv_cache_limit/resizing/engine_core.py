@@ -1,0 +1,329 @@
+"""vllm.v1.engine.core: the utility methods the clients call, and the release
+of the pages of blocks above the limit between steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit import compat, resize
+from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.errors import KVCacheResizeError
+from vllm_kv_cache_limit.patches.wrap import wrap
+from vllm_kv_cache_limit.resize import Allocation
+from vllm_kv_cache_limit.resizing.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional, require_hooks
+from vllm_kv_cache_limit.resizing.block_pool import Limit
+from vllm_kv_cache_limit.sizes import format_size
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+
+def patch(module: Any) -> None:
+    """Why: the limit lives in the scheduler, in the engine-core process, and
+    vLLM's clients reach that process through ``call_utility(name, ...)``,
+    which calls an ``EngineCore`` method by name. How: adds two methods.
+    Upstream: none yet (a resize utility in ``EngineCore``)."""
+
+    def apply() -> None:
+        module.EngineCore.kv_cache_limit_set = _kv_cache_limit_set
+        module.EngineCore.kv_cache_limit_status = _kv_cache_limit_status
+
+    optional(ENGINE_CORE, apply)
+    for hook in (ENGINE_CORE_STEP, ENGINE_CORE_STEP_WITH_BATCH_QUEUE, ENGINE_CORE_ABORT_REQUESTS):
+        name = hook.qualname.rpartition(".")[2]
+        optional(hook, functools.partial(wrap, module.EngineCore, name, _release_after))
+
+
+def _release_after(original: Callable) -> Callable:
+    """Why: the pages of the blocks above a lowered limit go back to the OS
+    once none of them is in use, whoever is or is not polling. How: wraps
+    ``EngineCore.step`` (and ``step_with_batch_queue``, ``abort_requests``:
+    blocks are freed as requests finish in a step or are aborted between
+    steps) to release them after the original returns, between steps; an
+    abort processed inside a step leaves it to that step. Without a limit
+    the original runs alone. Upstream: none yet (a resizable block pool)."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _limit_of(self) is None or getattr(self, "_kvcl_in_step", False):
+            return original(self, *args, **kwargs)
+        self._kvcl_in_step = True
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            self._kvcl_in_step = False
+        _release_if_due(self)
+        return result
+
+    return method
+
+
+def _limit_of(engine_core: Any) -> Limit | None:
+    """The run-time limit on an engine core's block pool, if one was set."""
+    manager = getattr(engine_core.scheduler, "kv_cache_manager", None)  # None: a model without KV cache
+    return None if manager is None else getattr(manager.block_pool, "_kvcl_limit", None)
+
+
+def _release_if_due(engine_core: Any) -> None:
+    """Return the pages of the blocks above the limit to the OS (through the
+    workers) once none of them is in use; a failure is logged, never raised
+    into vLLM's step, and the pages then stay allocated."""
+    state = _limit_of(engine_core)
+    if state is None or not state.release_due():
+        return
+    num_blocks = state.allocation.num_blocks
+    try:
+        state.released_bytes = _worker_pages(engine_core, state.limit, num_blocks, release=True)
+    except Exception:
+        state.released_bytes = 0
+        logger.exception(
+            "Returning the KV cache pages of blocks %d-%d to the OS failed; they stay allocated.",
+            state.limit,
+            num_blocks - 1,
+        )
+    state.released_from = state.limit
+    logger.info(
+        "KV cache limit holds: %s of blocks %d-%d returned to the OS.",
+        format_size(state.released_bytes),
+        state.limit,
+        num_blocks - 1,
+    )
+
+
+def _allocation(engine_core: Any) -> Allocation:
+    """The start-up allocation, read once per engine (it asks the workers)."""
+    pool = _pool(engine_core)
+    allocation: Allocation | None = getattr(pool, "_kvcl_allocation", None)
+    if allocation is None:
+        allocation = pool._kvcl_allocation = _read_allocation(engine_core)
+    return allocation
+
+
+def _read_allocation(engine_core: Any) -> Allocation:
+    config = engine_core.scheduler.kv_cache_config
+    vllm_config = engine_core.vllm_config
+    num_blocks = config.num_blocks
+    # What each worker really holds (the distinct storages of its KV cache
+    # tensors): the config's tensors can share one allocation (hybrid models).
+    total = min(int(b) for b in engine_core.model_executor.collective_rpc("kv_cache_limit_allocated"))
+    per_request = 0
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        per_request += -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
+    return Allocation(
+        num_blocks=num_blocks,
+        bytes_per_block=total // num_blocks,
+        blocks_per_request=per_request,
+        max_model_len=vllm_config.model_config.max_model_len,
+    )
+
+
+def _pool(engine_core: Any) -> Any:
+    return engine_core.scheduler.kv_cache_manager.block_pool
+
+
+def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
+    """Apply a new limit of ``nbytes`` per worker; returns the status at once
+    (the client polls until it holds). Errors come back as ``{"error": ...}``
+    so that the client raises them with their message."""
+    try:
+        require_hooks()
+        mode = resize.parse_mode(mode)
+        pool = _pool(self)
+        state: Limit | None = getattr(pool, "_kvcl_limit", None)
+        allocation = state.allocation if state else _allocation(self)
+        new = resize.limit_for(int(nbytes), allocation)
+    except KVCacheResizeError as exc:
+        return {"error": str(exc)}
+    if state is None:
+        state = Limit(allocation=allocation, limit=allocation.num_blocks, requested=allocation.nbytes)
+        pool._kvcl_limit = state
+    old, old_requested, old_mode = state.limit, state.requested, state.mode
+    state.limit, state.requested, state.mode = new, int(nbytes), mode
+    try:
+        if new < old:
+            _shrink(self, pool, state)
+        elif new > old:
+            _grow(self, pool, state)
+    except Exception as exc:
+        # A failure inside vLLM (preempting, the workers' reply) must not
+        # leave a half-applied limit: the old one is restored. Requests
+        # preempted before the failure are recomputed, as any preempted one.
+        state.limit, state.requested, state.mode = old, old_requested, old_mode
+        _settle(pool, state)
+        logger.exception(
+            "Changing the KV cache limit to %s failed; it stays at %d blocks.", format_size(int(nbytes)), old
+        )
+        return {
+            "error": (
+                f"Changing the KV cache limit to {format_size(int(nbytes))} failed inside vLLM "
+                f"({type(exc).__name__}: {exc}); the limit stays at {format_size(old_requested)} ({old} blocks)."
+            ),
+            "failed": True,
+        }
+    logger.info(
+        "KV cache limit set to %s per worker (%d of %d blocks, %s), mode %s; was %d blocks.",
+        format_size(int(nbytes)),
+        new,
+        allocation.num_blocks,
+        format_size(new * allocation.bytes_per_block),
+        mode,
+        old,
+    )
+    _release_if_due(self)  # nothing above the limit in use (idle, or all preempted)
+    return _kv_cache_limit_status(self)
+
+
+def _shrink(engine_core: Any, pool: Any, state: Limit) -> None:
+    above = pool.blocks[state.limit :]
+    if pool.enable_caching:
+        # Prefix-cache entries in blocks above the limit go now, in use or not,
+        # so no new request can hit (and hold) them.
+        for block in above:
+            if not block.is_null:
+                pool._maybe_evict_cached_block(block)
+    state.withhold(pool, above)
+    if state.mode == "preempt":
+        _preempt_above(engine_core.scheduler, state.limit)
+
+
+def _preempt_above(scheduler: Any, limit: int) -> None:
+    """Preempt the running requests holding a block at or above ``limit``,
+    as vLLM's ``reset_prefix_cache(reset_running_requests=True)`` does for
+    all of them: they go back to the waiting queue and are recomputed."""
+    manager = scheduler.kv_cache_manager
+    victims = [
+        request
+        for request in scheduler.running
+        if any(b >= limit for group in manager.get_blocks(request.request_id).get_block_ids() for b in group)
+    ]
+    timestamp = time.monotonic()
+    extra = {"drop_stale_output": True} if _preempt_drops_stale_output() else {}
+    for request in reversed(victims):
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, timestamp, **extra)
+        scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
+    if victims:
+        logger.info("Preempted %d running request(s) holding blocks above the new KV cache limit.", len(victims))
+
+
+@functools.cache
+def _preempt_drops_stale_output() -> bool:
+    """Whether this vLLM's ``Scheduler._preempt_request`` takes
+    ``drop_stale_output`` (0.32+; a preempted request's output of the step
+    in flight is then dropped), read once from its signature as
+    ``compat.RESIZE_HOOKS`` resolves it: never by trying a call, which could
+    preempt twice."""
+
+    preempt, problem = compat.resolve_hook(SCHEDULER_PREEMPT_REQUEST)
+    if preempt is None:
+        raise KVCacheResizeError(f"Run-time KV cache resize is unavailable in this vLLM: {problem}")
+    return "drop_stale_output" in inspect.signature(preempt).parameters  # type: ignore[arg-type]
+
+
+def _give_back(pool: Any, state: Limit) -> None:
+    """Queue the withheld blocks below the limit again."""
+    back = sorted(i for i in state.withheld if i < state.limit)
+    pool.free_block_queue.append_n([pool.blocks[i] for i in back])
+    state.withheld.difference_update(back)
+
+
+def _settle(pool: Any, state: Limit) -> None:
+    """Make the free queue match ``state.limit`` again (after a failed
+    change): withheld blocks below it queued, free blocks at or above it
+    withheld. Touches only free blocks, so it cannot fail on a request."""
+    _give_back(pool, state)
+    state.withhold(pool, pool.blocks[state.limit :])
+
+
+def _grow(engine_core: Any, pool: Any, state: Limit) -> None:
+    _give_back(pool, state)
+    if state.released_from is not None and state.released_from < state.limit:
+        state.released_bytes = _worker_pages(engine_core, state.limit, state.allocation.num_blocks, release=False)
+        state.released_from = state.limit if state.released_bytes else None
+
+
+def _kv_cache_limit_status(self: Any) -> dict[str, Any]:
+    """The limit in force and the blocks in use; only reads (the engine core
+    releases the pages itself, see ``_release_after``)."""
+    try:
+        require_hooks()
+    except KVCacheResizeError as exc:
+        return {"error": str(exc)}
+    pool = _pool(self)
+    state: Limit | None = getattr(pool, "_kvcl_limit", None)
+    if state is None:
+        allocation = _allocation(self)
+        state = Limit(allocation=allocation, limit=allocation.num_blocks, requested=allocation.nbytes)
+    num_blocks = state.allocation.num_blocks
+    free = pool.get_num_free_blocks()
+    in_use = num_blocks - resize.NULL_BLOCKS - free - len(state.withheld)
+    above = sum(1 for block in pool.blocks[state.limit :] if block.ref_cnt > 0 and not block.is_null)
+    return resize.status(
+        state.allocation, state.limit, state.requested, state.mode, in_use, above, state.released_bytes
+    )
+
+
+def _worker_pages(engine_core: Any, keep: int, num_blocks: int, release: bool) -> int:
+    results = engine_core.model_executor.collective_rpc("kv_cache_limit_pages", args=(keep, num_blocks, release))
+    return sum(int(r) for r in results)
+
+
+ENGINE_CORE = Hook(
+    ("vllm.v1.engine.core",),
+    "EngineCore",
+    wrapper=patch,
+    upstream=RESIZE_UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
+ENGINE_CORE_STEP = Hook(
+    ("vllm.v1.engine.core",),
+    "EngineCore.step",
+    ("self",),
+    wrapper=_release_after,
+    upstream=RESIZE_UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
+ENGINE_CORE_STEP_WITH_BATCH_QUEUE = Hook(
+    ("vllm.v1.engine.core",),
+    "EngineCore.step_with_batch_queue",
+    ("self",),
+    wrapper=_release_after,
+    upstream=RESIZE_UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
+ENGINE_CORE_ABORT_REQUESTS = Hook(
+    ("vllm.v1.engine.core",),
+    "EngineCore.abort_requests",
+    ("self", "request_ids"),
+    wrapper=_release_after,
+    upstream=RESIZE_UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
+FREE_BLOCK_QUEUE_APPEND_N = Hook(("vllm.v1.core.kv_cache_utils",), "FreeKVCacheBlockQueue.append_n", ("self",))
+
+SCHEDULER_PREEMPT_REQUEST = Hook(
+    ("vllm.v1.core.sched.scheduler",), "Scheduler._preempt_request", ("self", "request", "timestamp")
+)
+
+HOOKS = (
+    ENGINE_CORE,
+    ENGINE_CORE_STEP,
+    ENGINE_CORE_STEP_WITH_BATCH_QUEUE,
+    ENGINE_CORE_ABORT_REQUESTS,
+    FREE_BLOCK_QUEUE_APPEND_N,
+    SCHEDULER_PREEMPT_REQUEST,
+)
+
+TARGETS = {"vllm.v1.engine.core": patch}
+"""vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""

@@ -1,0 +1,196 @@
+"""vllm.entrypoints: ``--enable-kv-cache-resize`` and the HTTP routes, guarded
+by ``--api-key``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.errors import KVCacheResizeError, KVCacheResizeFailed
+from vllm_kv_cache_limit.patches.wrap import wrap
+from vllm_kv_cache_limit.resizing.availability import optional
+from vllm_kv_cache_limit.resizing.client import async_kv_cache_limit_status, async_set_kv_cache_max_memory
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+
+ENABLE_FLAG = "--enable-kv-cache-resize"
+
+ROUTE = "/kv_cache/max_memory"
+
+
+def patch_arg_parser(module: Any) -> None:
+    """Why: the resize routes change a live engine, so they are off unless
+    the server is started with ``--enable-kv-cache-resize``. How: wraps
+    ``make_arg_parser`` to add the flag. Upstream: none yet."""
+    optional(MAKE_ARG_PARSER, functools.partial(wrap, module, "make_arg_parser", _add_server_flag))
+
+
+def _add_server_flag(original: Callable) -> Callable:
+    def make_arg_parser(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = original(parser, *args, **kwargs)
+        parser.add_argument(
+            ENABLE_FLAG,
+            action="store_true",
+            default=False,
+            help=(
+                f"Serve GET and POST {ROUTE} to read and change the KV cache limit of the running engine "
+                '(body: {"size": "16M", "mode": "drain" or "preempt"}), within the memory allocated at '
+                "start-up. Off by default; the routes honour --api-key."
+            ),
+        )
+        return parser
+
+    return make_arg_parser
+
+
+def patch_app(module: Any) -> None:
+    """Why: vLLM's endpoint plugins load only when named in ``VLLM_PLUGINS``
+    and warn otherwise; the resize routes follow the server's own flag.
+    How: wraps ``build_app`` to include the routes when the flag is set.
+    Upstream: none yet."""
+    optional(BUILD_APP, functools.partial(wrap, module, "build_app", _add_routes))
+
+
+def _add_routes(original: Callable) -> Callable:
+    def build_app(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        app = original(args, *rest, **kwargs)
+        if getattr(args, "enable_kv_cache_resize", False):
+            app.include_router(_router(args))
+            logger.info("Run-time KV cache resize enabled: GET and POST %s.", ROUTE)
+        return app
+
+    return build_app
+
+
+def _error(status_code: int, message: str, kind: str) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(
+        status_code=status_code,
+        content={"error": {"message": message, "type": kind, "param": None, "code": status_code}},
+    )
+
+
+_gauge: Any = None
+
+
+def _limit_gauge() -> Any:
+    """``vllm:kv_cache_limit_bytes`` on the server's ``/metrics``: the KV
+    cache bytes per worker the limit allows (the start-up cap until the
+    first resize or status call)."""
+    global _gauge
+    if _gauge is None:
+        from prometheus_client import Gauge
+
+        _gauge = Gauge(
+            "vllm:kv_cache_limit_bytes",
+            "KV cache bytes per worker that the run-time limit allows (vllm-kv-cache-limit).",
+            multiprocess_mode="mostrecent",
+        )
+    return _gauge
+
+
+def _router(args: Any) -> Any:
+    import vllm.envs as envs
+    from fastapi import APIRouter, Request
+
+    tokens = [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]
+    router = APIRouter()
+    gauge = _limit_gauge()
+    cap = getattr(args, "kv_cache_max_memory", None)
+    if isinstance(cap, int):
+        gauge.set(cap)
+
+    def shown(status: dict[str, Any]) -> dict[str, Any]:
+        gauge.set(status["kv_cache_limit_bytes"])
+        return status
+
+    def authorized(request: Any) -> bool:
+        if not tokens:
+            return True
+        from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+        return AuthenticationMiddleware(None, tokens).verify_token(request.headers)
+
+    async def get_kv_cache_max_memory(request: Request) -> Any:
+        if not authorized(request):
+            return _error(401, "Unauthorized", "Unauthorized")
+        try:
+            return shown(await async_kv_cache_limit_status(request.app.state.engine_client))
+        except KVCacheResizeError as exc:
+            return _error(400, str(exc), "BadRequestError")
+
+    async def set_kv_cache_max_memory_route(request: Request) -> Any:
+        if not authorized(request):
+            return _error(401, "Unauthorized", "Unauthorized")
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(
+                400, 'Invalid body: expected JSON such as {"size": "16M", "mode": "drain"}.', "BadRequestError"
+            )
+        if not isinstance(body, dict) or "size" not in body:
+            return _error(
+                400, f'Invalid body {body!r}: expected {{"size": "16M", "mode": "drain"}}.', "BadRequestError"
+            )
+        try:
+            return shown(
+                await async_set_kv_cache_max_memory(
+                    request.app.state.engine_client,
+                    body["size"],
+                    body.get("mode", "drain"),
+                    body.get("timeout_s", 60.0),
+                )
+            )
+        except KVCacheResizeFailed as exc:
+            return _error(500, str(exc), "InternalServerError")
+        except KVCacheResizeError as exc:
+            return _error(400, str(exc), "BadRequestError")
+
+    # This module uses postponed annotations; FastAPI needs the class itself
+    # to pass the request in.
+    for handler, method in ((get_kv_cache_max_memory, "GET"), (set_kv_cache_max_memory_route, "POST")):
+        handler.__annotations__["request"] = Request
+        router.add_api_route(ROUTE, handler, methods=[method])
+    return router
+
+
+MAKE_ARG_PARSER = Hook(
+    ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args"),
+    "make_arg_parser",
+    ("parser",),
+    wrapper=_add_server_flag,
+    upstream="none yet: vLLM's endpoint plugins load only when named in VLLM_PLUGINS",
+    remove_when="the routes ship as a vLLM endpoint plugin enabled by its own flag",
+)
+
+BUILD_APP = Hook(
+    ("vllm.entrypoints.launchers.app",),
+    "build_app",
+    ("args",),
+    wrapper=_add_routes,
+    upstream="none yet: vLLM's endpoint plugins load only when named in VLLM_PLUGINS",
+    remove_when="the routes ship as a vLLM endpoint plugin enabled by its own flag",
+)
+
+AUTHENTICATION_MIDDLEWARE_VERIFY_TOKEN = Hook(
+    ("vllm.entrypoints.serve.middleware.authenticate",),
+    "AuthenticationMiddleware.verify_token",
+    ("self", "headers"),
+)
+
+HOOKS = (MAKE_ARG_PARSER, BUILD_APP, AUTHENTICATION_MIDDLEWARE_VERIFY_TOKEN)
+
+TARGETS = {
+    "vllm.entrypoints.common.cli_args": patch_arg_parser,
+    "vllm.entrypoints.launchers.cli_args": patch_arg_parser,
+    "vllm.entrypoints.launchers.app": patch_app,
+}
+"""vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""
