@@ -63,8 +63,7 @@ def add_engine_args_field(cls: type) -> None:
     from the parsed CLI, and ``vllm bench`` rebuilds ``LLM`` from
     ``dataclasses.asdict(engine_args)``; all need a real dataclass field.
     How: registers the field on the existing class and wraps its generated
-    ``__init__`` to accept, validate and store the keyword.
-    Upstream: an ``EngineArgs.kv_cache_max_memory`` field."""
+    ``__init__`` to accept, validate and store the keyword."""
     if FIELD in cls.__dict__.get("__dataclass_fields__", {}):
         return
     field: dataclasses.Field[Any] = dataclasses.field(default=None)  # type: ignore[arg-type]
@@ -98,7 +97,7 @@ def _add_cli_flag(original: Callable) -> Callable:
     """Why: every entry point that builds engine arguments (serve, the
     api_server module, bench, run-batch) calls ``EngineArgs.add_cli_args``.
     How: after the original, adds ``--kv-cache-max-memory`` to its
-    ``CacheConfig`` group. Upstream: a field on ``CacheConfig``."""
+    ``CacheConfig`` group."""
 
     def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
         parser = original(parser, *args, **kwargs)
@@ -124,9 +123,7 @@ def _carry_cap_into_config(original: Callable) -> Callable:
     refuses one above the device's total memory before anything loads, calls
     the original, then sets ``cache_config.kv_cache_max_memory`` (pickled to
     every process; shown by ``CacheConfig.metrics_info``) and reduces an
-    explicit ``kv_cache_memory_bytes`` above the cap.
-    Upstream: ``CacheConfig.kv_cache_max_memory`` and the same checks in
-    ``VllmConfig.__post_init__``."""
+    explicit ``kv_cache_memory_bytes`` above the cap."""
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         register_environment_variables()

@@ -28,8 +28,7 @@ def patch(module: Any) -> None:
     ``gpu_memory_utilization``; under a binding cap that advice is wrong.
     How: wraps ``CompilationConfig.resolve_cudagraph_mode_and_sizes`` (run in
     each worker once the KV cache is sized); when it refuses and the cap
-    made the block count too small, raises an error naming the cap.
-    Upstream: a message naming the cap."""
+    made the block count too small, raises an error naming the cap."""
     if hook_ok(COMPILATION_CONFIG_RESOLVE_CUDAGRAPH_MODE_AND_SIZES):
         wrap(module.CompilationConfig, "resolve_cudagraph_mode_and_sizes", _name_cap_when_mamba_blocks_short)
 

@@ -39,8 +39,7 @@ def patch(module: Any) -> None:
     blocks in ``get_kv_cache_configs``; the cap belongs there.
     How: wraps the engine core's ``get_kv_cache_configs`` and, in the module
     that defines it, ``_check_enough_kv_cache_memory`` (for an error that
-    names the cap). Upstream: ``min(available_memory, kv_cache_max_memory)``
-    in ``get_kv_cache_configs``."""
+    names the cap)."""
     if not (hook_ok(GET_KV_CACHE_CONFIGS) and hook_ok(CHECK_ENOUGH_KV_CACHE_MEMORY) and hook_ok(ENGINE_CORE_INIT)):
         return
     wrap(module.EngineCore, "__init__", _hold_startup_lock)
@@ -58,8 +57,7 @@ def _hold_startup_lock(original: Callable) -> Callable:
     (which starts the workers, profiles, allocates the KV cache and warms up,
     capturing CUDA graphs) runs holding the start-up lock of every local
     device; a cap error it fails with (also one a Ray worker on another node
-    raised) goes to the relay for the first process. Upstream: none yet;
-    vLLM measures device-wide free memory."""
+    raised) goes to the relay for the first process."""
 
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         if cap_of(vllm_config.cache_config) is None:
@@ -163,7 +161,7 @@ def _log_decision(vllm_config: Any, decisions: list[CapDecision], configs: list[
 def _name_cap_when_auto_fit_fails(original: Callable) -> Callable:
     """vLLM's ``--max-model-len auto`` fails telling the user to raise
     ``gpu_memory_utilization``; when the cap made the memory too small, name
-    the cap. Upstream: a message naming the cap."""
+    the cap."""
 
     def _auto_fit_max_model_len(*args: Any, **kwargs: Any) -> Any:
         try:

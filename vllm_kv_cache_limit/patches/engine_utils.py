@@ -22,8 +22,7 @@ def patch(module: Any) -> None:
     process only as "Engine core initialization failed. See root cause
     above." How: wraps ``wait_for_engine_startup``; when it fails and an
     engine-core or worker process left a cap error in the relay file, that
-    error is raised instead. Upstream: the engine core sending its startup
-    exception to the client (the handshake already carries a status)."""
+    error is raised instead."""
     if hook_ok(WAIT_FOR_ENGINE_STARTUP):
         wrap(module, "wait_for_engine_startup", _raise_relayed_error)
 

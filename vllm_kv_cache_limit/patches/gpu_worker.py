@@ -36,8 +36,7 @@ def patch(module: Any) -> None:
     the utilization becomes min(itself, free/total)), and
     ``Worker.determine_available_memory`` (after vLLM's own profiling, the
     cap against the budget when free memory set it; an explicit size against
-    the free memory first). Upstream: a per-instance memory limit in
-    ``request_memory``; the free-memory checks where vLLM profiles."""
+    the free memory first)."""
     if not hook_ok(REQUEST_MEMORY) or not hasattr(module, "request_memory"):
         if os.environ.get(envs.ERROR_FILE):
             raise_cap_error(compat.drift_message(["vllm.v1.worker.gpu_worker.request_memory is missing"]))

@@ -93,8 +93,7 @@ def check_cap_fits_instance(
     silently not bind; an explicit size above the free memory would fail
     inside vLLM. How: wraps a worker's ``determine_available_memory``
     (``read_free`` reads its device; ``before_profile`` runs before vLLM's
-    profiling: the CPU worker's second gate); every rank decides together.
-    Upstream: the free-memory checks where vLLM profiles."""
+    profiling: the CPU worker's second gate); every rank decides together."""
 
     def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
         cap = cap_of(self.cache_config)

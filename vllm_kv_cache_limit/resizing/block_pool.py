@@ -57,7 +57,7 @@ def patch(module: Any) -> None:
     requests free them. How: wraps ``BlockPool.free_blocks`` (and
     ``unpin_blocks`` where present) to withhold freed blocks above the limit,
     and ``get_usage`` to be relative to the limit; without a limit both call
-    vLLM's original unchanged. Upstream: none yet (a resizable block pool)."""
+    vLLM's original unchanged."""
     pool = module.BlockPool
     # ``unpin_blocks`` where this vLLM has it: it frees blocks as ``free_blocks`` does.
     for name in ("free_blocks", "unpin_blocks"):

@@ -28,8 +28,7 @@ logger = init_logger("vllm.plugins.kv_cache_limit")
 def patch(module: Any) -> None:
     """Why: the limit lives in the scheduler, in the engine-core process, and
     vLLM's clients reach that process through ``call_utility(name, ...)``,
-    which calls an ``EngineCore`` method by name. How: adds two methods.
-    Upstream: none yet (a resize utility in ``EngineCore``)."""
+    which calls an ``EngineCore`` method by name. How: adds two methods."""
 
     def apply() -> None:
         module.EngineCore.kv_cache_limit_set = _kv_cache_limit_set
@@ -48,7 +47,7 @@ def _release_after(original: Callable) -> Callable:
     blocks are freed as requests finish in a step or are aborted between
     steps) to release them after the original returns, between steps; an
     abort processed inside a step leaves it to that step. Without a limit
-    the original runs alone. Upstream: none yet (a resizable block pool)."""
+    the original runs alone."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _limit_of(self) is None or getattr(self, "_kvcl_in_step", False):

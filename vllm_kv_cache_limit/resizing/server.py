@@ -28,7 +28,7 @@ ROUTE = "/kv_cache/max_memory"
 def patch_arg_parser(module: Any) -> None:
     """Why: the resize routes change a live engine, so they are off unless
     the server is started with ``--enable-kv-cache-resize``. How: wraps
-    ``make_arg_parser`` to add the flag. Upstream: none yet."""
+    ``make_arg_parser`` to add the flag."""
     optional(MAKE_ARG_PARSER, functools.partial(wrap, module, "make_arg_parser", _add_server_flag))
 
 
@@ -53,8 +53,7 @@ def _add_server_flag(original: Callable) -> Callable:
 def patch_app(module: Any) -> None:
     """Why: vLLM's endpoint plugins load only when named in ``VLLM_PLUGINS``
     and warn otherwise; the resize routes follow the server's own flag.
-    How: wraps ``build_app`` to include the routes when the flag is set.
-    Upstream: none yet."""
+    How: wraps ``build_app`` to include the routes when the flag is set."""
     optional(BUILD_APP, functools.partial(wrap, module, "build_app", _add_routes))
 
 

@@ -26,7 +26,7 @@ MADV_DONTNEED = 4  # Linux
 def patch(module: Any) -> None:
     """Why: the engine core decides, the workers hold the memory; vLLM's
     ``collective_rpc(name)`` calls a worker method by name. How: adds
-    ``WorkerBase.kv_cache_limit_pages``. Upstream: none yet."""
+    ``WorkerBase.kv_cache_limit_pages``."""
 
     def apply() -> None:
         module.WorkerBase.kv_cache_limit_pages = kv_cache_limit_pages
