@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_kv_cache_limit.kv_cache import kv_cache_storages, worker_kv_cache_bytes
+from vllm_kv_cache_limit.kv_cache import kv_cache_storages, rss_bytes, worker_kv_cache_bytes
 
 RESULT_PREFIX = "PROBE_RESULT "
 
@@ -191,9 +191,7 @@ class KVCacheProbe:
 
 def worker_rss_bytes(worker: Any) -> int:
     """Resident memory of the worker process."""
-    import psutil
-
-    return psutil.Process().memory_info().rss
+    return rss_bytes()
 
 
 def engine_cache_settings(llm: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ tensors, so importing this module costs nothing.
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 __all__ = ["backing_bytes", "bytes_per_block", "kv_cache_storages", "kv_cache_tensors", "worker_kv_cache_bytes"]
@@ -57,3 +58,11 @@ def bytes_per_block(kv_cache_config: Any) -> int:
     """Bytes of that allocation per block: :func:`backing_bytes` over
     ``num_blocks`` (at least 1), rounded up."""
     return -(-backing_bytes(kv_cache_config) // max(1, kv_cache_config.num_blocks))
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``, as psutil and
+    vLLM's CPU gate read it): the worker's measure around its ``madvise``
+    calls and the CPU gate's ceiling."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * mmap.PAGESIZE

@@ -11,6 +11,7 @@ from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
+from vllm_kv_cache_limit.kv_cache import rss_bytes
 from vllm_kv_cache_limit.patches import devices, ranks
 from vllm_kv_cache_limit.patches.apply import hook_ok
 from vllm_kv_cache_limit.patches.devices import cpu_free_memory, cpu_memory_node, cpu_node_memory
@@ -79,7 +80,6 @@ def _ceiling_cpu_worker_init(original: Callable) -> Callable:
 def _lower_cpu_request(worker: Any) -> None:
     """The CPU worker's second gate, as a ceiling: what it requested, at most
     its resident memory plus what is available now (less the slack)."""
-    import psutil
     from vllm.utils.cpu_resource_utils import get_allowed_cpu_list
 
     gate = gate_of(worker.cache_config)
@@ -91,7 +91,7 @@ def _lower_cpu_request(worker: Any) -> None:
     # except where that is not a visible memory node. The first gate's
     # request already keeps to the memory node; this only lowers it.
     free, _, _ = cpu_node_memory(int(get_allowed_cpu_list()[0].numa_node))
-    rss = psutil.Process().memory_info().rss
+    rss = rss_bytes()
     ceiling = rss + free - cpu_gate_slack(free)
     if ceiling < requested:
         worker.requested_cpu_memory = max(ceiling, 0)

@@ -13,7 +13,7 @@ from vllm.logger import init_logger
 
 from vllm_kv_cache_limit import resize
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.kv_cache import kv_cache_tensors, worker_kv_cache_bytes
+from vllm_kv_cache_limit.kv_cache import kv_cache_tensors, rss_bytes, worker_kv_cache_bytes
 from vllm_kv_cache_limit.resizing.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
@@ -52,22 +52,17 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -
     if release:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        rss = _rss_bytes()
+        rss = rss_bytes()
         for start, end in ranges:
             if libc.madvise(start, end - start, MADV_DONTNEED) != 0:
                 raise OSError(
                     ctypes.get_errno(), f"madvise over the KV cache failed: {os.strerror(ctypes.get_errno())}"
                 )
-        self._kvcl_rss_fall = rss - _rss_bytes()
+        self._kvcl_rss_fall = rss - rss_bytes()
         logger.info(
             "KV cache pages of blocks %d-%d released: RSS fell by %d bytes.", keep, num_blocks - 1, self._kvcl_rss_fall
         )
     return sum(end - start for start, end in ranges)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * mmap.PAGESIZE
 
 
 WORKER_BASE = Hook(
