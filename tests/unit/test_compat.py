@@ -18,6 +18,7 @@ from types import ModuleType
 
 import pytest
 
+import vllm_kv_cache_limit.patches.arg_utils  # noqa: F401  (reached as patches.arg_utils)
 from tests.conftest import REPO
 from vllm_kv_cache_limit import compat, patches, resizing
 

@@ -13,6 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
+# The submodules this file reaches as patches.X, imported here rather than
+# left to the vLLM imports of whichever test ran first.
+import vllm_kv_cache_limit.patches.cpu_worker
+import vllm_kv_cache_limit.patches.devices
+import vllm_kv_cache_limit.patches.engine_core
+import vllm_kv_cache_limit.patches.gpu_worker
+import vllm_kv_cache_limit.patches.worker_gate  # noqa: F401
 from vllm_kv_cache_limit import _bootstrap, envs, patches, register
 from vllm_kv_cache_limit.config import FIELD
 from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
@@ -641,10 +648,24 @@ def test_no_hook_is_named_by_a_string() -> None:
 # --- hybrid (Mamba) models with full CUDA graphs, against vLLM's own check ----
 
 
+def _resolve_full_cuda_graphs_for_16_sequences_in_10_mamba_blocks(config) -> None:
+    """vLLM's check as a worker runs it once its KV cache is sized: a hybrid
+    model's 10 blocks of 4 KiB, 16 sequences, full CUDA graphs (vLLM refuses)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    kv_cache_config = SimpleNamespace(
+        has_mamba_layers=True, num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * 4096)]
+    )
+    config.resolve_cudagraph_mode_and_sizes(
+        AttentionCGSupport.ALWAYS, "test", kv_cache_config=kv_cache_config, max_num_reqs=16
+    )
+
+
 @pytest.mark.parametrize("decision", ["none", "not bound", "bound"])
 def test_mamba_block_shortage_names_the_cap_when_it_binds(mocker, decision: str) -> None:
-    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
-    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.config.compilation import CompilationConfig
 
     from vllm_kv_cache_limit.policy import CapDecision
 
@@ -660,14 +681,8 @@ def test_mamba_block_shortage_names_the_cap_when_it_binds(mocker, decision: str)
         patches.worker_gate.record_worker_cap(
             SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=config)), **vars(worker_cap)
         )
-    config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    kv_cache_config = SimpleNamespace(
-        has_mamba_layers=True, num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * 4096)]
-    )
     with pytest.raises(ValueError) as info:
-        config.resolve_cudagraph_mode_and_sizes(
-            AttentionCGSupport.ALWAYS, "test", kv_cache_config=kv_cache_config, max_num_reqs=16
-        )
+        _resolve_full_cuda_graphs_for_16_sequences_in_10_mamba_blocks(config)
     if decision != "bound":
         # vLLM's own refusal, unchanged.
         assert type(info.value) is ValueError and "increase gpu_memory_utilization" in str(info.value)
@@ -704,8 +719,7 @@ def test_an_engine_built_later_in_the_process_sees_no_earlier_cap(mocker) -> Non
     """A capped worker's state stays with its engine: an uncapped engine
     built afterwards in the same process (in-process engines, notebooks)
     gets vLLM's own errors, not one naming a cap that is not in force."""
-    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
-    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.config.compilation import CompilationConfig
 
     register()
     capped = _gpu_worker(40 * 1024)
@@ -721,14 +735,8 @@ def test_an_engine_built_later_in_the_process_sees_no_earlier_cap(mocker) -> Non
     assert patches.worker_gate.cap_decision_of(capped.vllm_config.compilation_config).bound  # the premise
     later = _gpu_worker(None)
     config = CompilationConfig()  # the later, uncapped engine's
-    config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    kv_cache_config = SimpleNamespace(
-        has_mamba_layers=True, num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * 4096)]
-    )
     with pytest.raises(ValueError) as info:
-        config.resolve_cudagraph_mode_and_sizes(
-            AttentionCGSupport.ALWAYS, "test", kv_cache_config=kv_cache_config, max_num_reqs=16
-        )
+        _resolve_full_cuda_graphs_for_16_sequences_in_10_mamba_blocks(config)
     assert type(info.value) is ValueError and "increase gpu_memory_utilization" in str(info.value)
     assert (
         patches.worker_gate.gate_of(later.cache_config) is None and patches.worker_gate.cap_decision_of(config) is None

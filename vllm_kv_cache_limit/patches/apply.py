@@ -5,7 +5,10 @@ started with a cap, the cap error (fail closed).
 
 from __future__ import annotations
 
+import inspect
 import os
+from collections.abc import Callable
+from typing import Any
 
 from vllm.logger import init_logger
 
@@ -48,3 +51,23 @@ def hook_ok(hook: Hook) -> bool:
             FLAG,
         )
     return False
+
+
+def name_cap_when_refused(original: Callable, message: Callable[[dict[str, Any]], str | None]) -> Callable:
+    """A wrapper around a vLLM check that refuses with ``ValueError`` and
+    advice that is wrong under a binding cap: ``message`` gets the call's
+    arguments by name and returns the error naming the cap, or None (vLLM's
+    own error stands)."""
+    signature = inspect.signature(original)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except ValueError:
+            # The original accepted these arguments, so they bind.
+            text = message(signature.bind(*args, **kwargs).arguments)
+            if text is None:
+                raise
+            raise_cap_error(text)
+
+    return wrapper

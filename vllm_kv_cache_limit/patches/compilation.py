@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -10,13 +9,10 @@ from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.kv_cache import bytes_per_block
-from vllm_kv_cache_limit.patches.apply import hook_ok
+from vllm_kv_cache_limit.patches.apply import hook_ok, name_cap_when_refused
 from vllm_kv_cache_limit.patches.worker_gate import cap_decision_of
 from vllm_kv_cache_limit.patches.wrap import wrap
-from vllm_kv_cache_limit.policy import (
-    mamba_blocks_message,
-)
-from vllm_kv_cache_limit.relay import raise_cap_error
+from vllm_kv_cache_limit.policy import mamba_blocks_message
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -34,29 +30,24 @@ def patch(module: Any) -> None:
 
 
 def _name_cap_when_mamba_blocks_short(original: Callable) -> Callable:
+    return name_cap_when_refused(original, _mamba_blocks_message)
 
-    signature = inspect.signature(original)
 
-    def resolve_cudagraph_mode_and_sizes(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(self, *args, **kwargs)
-        except ValueError:
-            decision = cap_decision_of(self)
-            bound = signature.bind(self, *args, **kwargs).arguments
-            kv_cache_config, max_num_reqs = bound.get("kv_cache_config"), bound.get("max_num_reqs")
-            if (
-                decision is None
-                or not decision.bound
-                or kv_cache_config is None
-                or max_num_reqs is None
-                or not kv_cache_config.has_mamba_layers
-                or max_num_reqs <= kv_cache_config.num_blocks
-            ):
-                raise
-            block_bytes = bytes_per_block(kv_cache_config)
-            raise_cap_error(mamba_blocks_message(decision.cap, kv_cache_config.num_blocks, max_num_reqs, block_bytes))
-
-    return resolve_cudagraph_mode_and_sizes
+def _mamba_blocks_message(arguments: dict[str, Any]) -> str | None:
+    decision = cap_decision_of(arguments["self"])
+    kv_cache_config, max_num_reqs = arguments.get("kv_cache_config"), arguments.get("max_num_reqs")
+    if (
+        decision is None
+        or not decision.bound
+        or kv_cache_config is None
+        or max_num_reqs is None
+        or not kv_cache_config.has_mamba_layers
+        or max_num_reqs <= kv_cache_config.num_blocks
+    ):
+        return None
+    return mamba_blocks_message(
+        decision.cap, kv_cache_config.num_blocks, max_num_reqs, bytes_per_block(kv_cache_config)
+    )
 
 
 COMPILATION_CONFIG_RESOLVE_CUDAGRAPH_MODE_AND_SIZES = Hook(

@@ -14,7 +14,7 @@ from vllm_kv_cache_limit import compat, startup_lock
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
 from vllm_kv_cache_limit.kv_cache import backing_bytes
-from vllm_kv_cache_limit.patches.apply import hook_ok
+from vllm_kv_cache_limit.patches.apply import hook_ok, name_cap_when_refused
 from vllm_kv_cache_limit.patches.devices import instance_devices
 from vllm_kv_cache_limit.patches.wrap import wrap
 from vllm_kv_cache_limit.policy import (
@@ -24,7 +24,7 @@ from vllm_kv_cache_limit.policy import (
     cap_error_message,
     too_small_message,
 )
-from vllm_kv_cache_limit.relay import raise_cap_error, relay_cap_error
+from vllm_kv_cache_limit.relay import relay_cap_error
 from vllm_kv_cache_limit.sizes import format_gib, format_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
@@ -162,17 +162,18 @@ def _name_cap_when_auto_fit_fails(original: Callable) -> Callable:
     """vLLM's ``--max-model-len auto`` fails telling the user to raise
     ``gpu_memory_utilization``; when the cap made the memory too small, name
     the cap."""
+    return name_cap_when_refused(original, _auto_fit_message)
 
-    def _auto_fit_max_model_len(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(*args, **kwargs)
-        except ValueError:
-            decisions = getattr(_active, "decision", None)
-            if not decisions or not any(d.bound for d in decisions):
-                raise
-            raise_cap_error(auto_fit_message(decisions[0].cap))
 
-    return _auto_fit_max_model_len
+def _auto_fit_message(arguments: dict[str, Any]) -> str | None:
+    decisions = _bound_decisions()
+    return auto_fit_message(decisions[0].cap) if decisions else None
+
+
+def _bound_decisions() -> list[CapDecision] | None:
+    """The decisions of the ``get_kv_cache_configs`` call in progress, when the cap bound one."""
+    decisions = getattr(_active, "decision", None)
+    return decisions if decisions and any(d.bound for d in decisions) else None
 
 
 def _bound_text(cache_config: Any, decisions: list[CapDecision]) -> str:
@@ -186,29 +187,20 @@ def _bound_text(cache_config: Any, decisions: list[CapDecision]) -> str:
 def _name_cap_when_too_small(original: Callable) -> Callable:
     """vLLM's check names ``gpu_memory_utilization``; when the cap made the
     memory too small, name the cap, reusing vLLM's estimates."""
+    return name_cap_when_refused(original, _too_small_message)
 
-    def _check_enough_kv_cache_memory(
-        available_memory: int,
-        get_needed_memory: Callable[[], int],
-        max_model_len: int,
-        estimate_max_model_len: Callable[[int], int],
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        try:
-            return original(available_memory, get_needed_memory, max_model_len, estimate_max_model_len, *args, **kwargs)
-        except ValueError:
-            decisions = getattr(_active, "decision", None)
-            if not decisions or not any(d.bound for d in decisions):
-                raise
-            # vLLM checks against the capped memory less the block it always
-            # reserves (the null block); a cap must hold both.
-            reserved = max(0, min(d.kv_bytes for d in decisions) - available_memory)
-            needed = get_needed_memory()
-            estimate = estimate_max_model_len(available_memory) if available_memory > 0 else 0
-            raise_cap_error(too_small_message(decisions[0].cap, needed, reserved, max_model_len, estimate))
 
-    return _check_enough_kv_cache_memory
+def _too_small_message(arguments: dict[str, Any]) -> str | None:
+    decisions = _bound_decisions()
+    if not decisions:
+        return None
+    available_memory = arguments["available_memory"]
+    # vLLM checks against the capped memory less the block it always
+    # reserves (the null block); a cap must hold both.
+    reserved = max(0, min(d.kv_bytes for d in decisions) - available_memory)
+    needed = arguments["get_needed_memory"]()
+    estimate = arguments["estimate_max_model_len"](available_memory) if available_memory > 0 else 0
+    return too_small_message(decisions[0].cap, needed, reserved, arguments["max_model_len"], estimate)
 
 
 GET_KV_CACHE_CONFIGS = Hook(
