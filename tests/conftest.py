@@ -16,12 +16,24 @@ REPO = Path(__file__).resolve().parents[1]
 TEST_MAX_MODEL_LEN = 512
 """The engines' max_model_len in the end-to-end and GPU tests."""
 
+UPSTREAM = os.environ.get("KV_CACHE_LIMIT_TARGET") == "upstream"
+"""The tests run against vLLM patched with ``upstream/`` and without the
+plugin (``make test-upstream``): the same checks of the cap, those of
+features the patch leaves out (``plugin_only``) skipped."""
+
+REFERENCE_PYTHON = os.environ.get("KV_CACHE_LIMIT_REFERENCE_PYTHON") or None
+"""Under ``UPSTREAM``: the interpreter of the same vLLM release unpatched
+(the plugin excluded with ``VLLM_PLUGINS=""``), what "unchanged" is compared
+with."""
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = Path(str(item.fspath)).relative_to(REPO / "tests").parts
         if parts and parts[0] in ("unit", "e2e", "gpu"):
             item.add_marker(getattr(pytest.mark, parts[0]))
+        if UPSTREAM and item.get_closest_marker("plugin_only"):
+            item.add_marker(pytest.mark.skip(reason="a plugin feature; not in the upstream patch"))
 
 
 @pytest.fixture(scope="session")

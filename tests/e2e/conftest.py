@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests import helpers
-from tests.conftest import REPO, TEST_MAX_MODEL_LEN
+from tests.conftest import REPO, TEST_MAX_MODEL_LEN, UPSTREAM
 
 ENGINE_TIMEOUT_S = 300
 
@@ -61,10 +61,13 @@ def with_plugins(*folders: Path | str) -> str:
     return os.pathsep.join(filter(None, [*map(str, folders), os.environ.get("PYTHONPATH")]))
 
 
-def run_probe(spec: dict[str, Any], env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
-    """Run one engine in a fresh process; return its result and its log."""
+def run_probe(
+    spec: dict[str, Any], env: dict[str, str] | None = None, python: str | None = None
+) -> tuple[dict[str, Any], str]:
+    """Run one engine in a fresh process (of ``python``, by default this
+    interpreter); return its result and its log."""
     run = helpers.run_child(
-        [sys.executable, "-m", "tests.helpers", json.dumps(spec)],
+        [python or sys.executable, "-m", "tests.helpers", json.dumps(spec)],
         env or engine_env(),
         ENGINE_TIMEOUT_S,
         REPO,
@@ -170,11 +173,32 @@ def probe(tiny_model: str):
     """``probe(**llm_kwargs)`` starts the tiny model with BASE_ENGINE_ARGS
     plus the given arguments; ``env=`` adds environment variables."""
 
-    def _probe(env: dict[str, str] | None = None, **kwargs: Any) -> tuple[dict[str, Any], str]:
+    def _probe(
+        env: dict[str, str] | None = None, python: str | None = None, **kwargs: Any
+    ) -> tuple[dict[str, Any], str]:
         spec = {"model": tiny_model, **BASE_ENGINE_ARGS, **kwargs}
-        return run_probe(spec, engine_env(**(env or {})))
+        return run_probe(spec, engine_env(**(env or {})), python)
 
     return _probe
+
+
+def cap_error(result: dict[str, Any], log: str) -> str:
+    """The error naming the cap of an engine that failed to start. The
+    plugin raises it in the first process as ``KVCacheMaxMemoryError``
+    (relayed from the engine core or a worker). Patched vLLM raises
+    ``ValueError`` where it finds the problem: in the first process, or in
+    the engine core, whose failure the first process reports ("Engine core
+    initialization failed"), the error being in the engine core's log."""
+    assert not result["ok"], result
+    if not UPSTREAM:
+        assert result["error_type"] == "KVCacheMaxMemoryError", result
+        return result["error"]
+    if result["error_type"] == "ValueError":
+        return result["error"]
+    assert "Engine core initialization failed" in result["error"], result
+    found = [line.split("ValueError: ", 1)[1] for line in log.splitlines() if "ValueError: " in line]
+    assert found, log[-4000:]
+    return found[-1]
 
 
 def server_args(model: str, cap: str | None = None, utilization: float | None = None, *extra: str) -> list[str]:

@@ -16,6 +16,8 @@ from tests.tiny_model import ARCHITECTURES, build_tiny_model
 from vllm_kv_cache_limit import plan as kv_plan
 from vllm_kv_cache_limit.sizes import parse_size
 
+pytestmark = pytest.mark.plugin_only  # the planner
+
 # Long enough for Gemma 2's 128-token sliding window to hold fewer blocks than
 # its full-attention layers: with 256 batched tokens a sliding layer keeps
 # cdiv(127 + 256 * batches, 128) + 1 blocks per request, a full one 8.

@@ -81,6 +81,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.smoke
+@pytest.mark.plugin_only  # the plugin's environment variables
 def test_documented_variables_pass_vllms_environment_validation(tiny_model: str, tmp_path) -> None:
     """vLLM checks every VLLM_* variable against its own table and, with
     fail_on_environ_validation, refuses unknown ones: the plugin's documented

@@ -33,6 +33,8 @@ from tests.e2e.test_side_by_side import bind_two_workers
 from tests.helpers import CompletionLoad, metric
 from tests.tiny_model import build_tiny_model
 
+pytestmark = pytest.mark.plugin_only  # run-time resize
+
 MiB = 2**20
 KEY = "resize-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

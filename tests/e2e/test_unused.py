@@ -1,7 +1,8 @@
 """Installed but unused, the plugin changes nothing: same KV cache, same
 greedy output, same log warnings and same CLI help (apart from the new flag)
 as with the plugin excluded through ``VLLM_PLUGINS`` (which also keeps its
-start-up hook off)."""
+start-up hook off). Under ``make test-upstream`` the same comparisons hold
+between the patched vLLM and the same release unpatched."""
 
 from __future__ import annotations
 
@@ -12,12 +13,18 @@ import sys
 
 import pytest
 
+from tests.conftest import REFERENCE_PYTHON, UPSTREAM
 from tests.e2e.conftest import REPO, engine_env
 from tests.e2e.test_version_drift import KV_SIZE, expected_blocks
 from vllm_kv_cache_limit.policy import FLAG
 from vllm_kv_cache_limit.resizing.server import ENABLE_FLAG as RESIZE_FLAG
 
 WITHOUT_PLUGIN = {"VLLM_PLUGINS": ""}
+WITHOUT_PYTHON = REFERENCE_PYTHON if UPSTREAM else None
+"""What runs "without": this interpreter with the plugin excluded or, under
+``make test-upstream``, the unpatched vLLM's."""
+if UPSTREAM and not REFERENCE_PYTHON:
+    raise RuntimeError("make test-upstream sets KV_CACHE_LIMIT_REFERENCE_PYTHON (the unpatched vLLM)")
 PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4"]
 
 
@@ -56,6 +63,7 @@ def warnings_of(log: str) -> list[str]:
 
 
 @pytest.mark.smoke
+@pytest.mark.plugin_only  # the plugin's exclusion
 def test_plugin_is_really_excluded_by_vllm_plugins() -> None:
     """The comparison below means something only if ``VLLM_PLUGINS=""``
     keeps every hook off, the start-up hook included."""
@@ -79,7 +87,7 @@ def test_plugin_is_really_excluded_by_vllm_plugins() -> None:
 def test_same_kv_cache_and_greedy_output_without_the_flag(probe, tiny_model: str) -> None:
     spec = {"kv_cache_memory_bytes": KV_SIZE, "prompts": PROMPTS, "max_tokens": 16}
     with_plugin, log_on = probe(**spec)
-    without, log_off = probe(env=WITHOUT_PLUGIN, **spec)
+    without, log_off = probe(env=WITHOUT_PLUGIN, python=WITHOUT_PYTHON, **spec)
     assert with_plugin["ok"], log_on[-4000:]
     assert without["ok"], log_off[-4000:]
 
@@ -95,9 +103,9 @@ def test_same_kv_cache_and_greedy_output_without_the_flag(probe, tiny_model: str
     assert warnings_of(log_on) == warnings_of(log_off)
 
 
-def _help(extra_env: dict[str, str]) -> str:
+def _help(extra_env: dict[str, str], python: str | None = None) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help=all"],
+        [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help=all"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -129,7 +137,7 @@ def _without_flag_entry(lines: list[str], flag: str = FLAG) -> list[str]:
 
 @pytest.mark.smoke
 def test_cli_help_of_every_other_option_is_unchanged() -> None:
-    with_plugin, without = _help({}), _help(WITHOUT_PLUGIN)
+    with_plugin, without = _help({}), _help(WITHOUT_PLUGIN, WITHOUT_PYTHON)
     assert FLAG not in without
     usage_on, rest_on = _split_usage(with_plugin)
     usage_off, rest_off = _split_usage(without)
@@ -137,10 +145,12 @@ def test_cli_help_of_every_other_option_is_unchanged() -> None:
     at = usage_on.index(flag_usage[0])
     assert usage_on[at : at + 2] == flag_usage
     usage_on = usage_on[:at] + usage_on[at + 2 :]
-    # The server's own flag for run-time resize (off by default).
-    usage_on.remove(f"[{RESIZE_FLAG}]")
+    if not UPSTREAM:  # the server's own flag for run-time resize (off by default)
+        usage_on.remove(f"[{RESIZE_FLAG}]")
     assert usage_on == usage_off
-    rest_on = _without_flag_entry(_without_flag_entry(rest_on), RESIZE_FLAG)
+    rest_on = _without_flag_entry(rest_on)
+    if not UPSTREAM:
+        rest_on = _without_flag_entry(rest_on, RESIZE_FLAG)
     assert FLAG not in "\n".join(rest_on) and RESIZE_FLAG not in "\n".join(rest_on)
     diff = "\n".join(difflib.unified_diff(rest_off, rest_on, "without plugin", "with plugin", lineterm=""))
     assert rest_on == rest_off, diff[:4000]
