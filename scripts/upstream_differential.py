@@ -47,9 +47,7 @@ def outcome(python: Path, case: dict[str, Any]) -> str:
     result = run.result or {"ok": False, "error": f"no result (exit {run.returncode})"}
     if result["ok"]:
         return f"{result['num_gpu_blocks']} blocks, {result['kv_cache_bytes'][0]} bytes"
-    errors = [result.get("error", "")] + [
-        line.split("ValueError: ", 1)[1] for line in run.log.splitlines() if "ValueError: " in line
-    ]
+    errors = [result.get("error", ""), *helpers.logged_value_errors(run.log)]
     named = [e for e in errors if "--kv-cache-max-memory" in e]
     if not named:
         return f"error not naming the cap: {errors[0][:120]}"

@@ -79,6 +79,13 @@ def error_result(exc: BaseException) -> dict[str, Any]:
     return {"error_type": type(exc).__name__, "error": str(exc), "error_mro": [c.__name__ for c in type(exc).__mro__]}
 
 
+def logged_value_errors(log: str) -> list[str]:
+    """The messages of the ``ValueError`` tracebacks in an engine's log, in
+    order: where vLLM's own errors from the engine core or a worker end up
+    (the first process reports only "Engine core initialization failed")."""
+    return [line.split("ValueError: ", 1)[1] for line in log.splitlines() if "ValueError: " in line]
+
+
 def print_result(result: dict[str, Any], prefix: str = RESULT_PREFIX) -> None:
     """Print the result line and exit: 0 when ``result["ok"]``, else 1."""
     print(prefix + json.dumps(result), flush=True)

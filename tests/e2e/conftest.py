@@ -196,7 +196,7 @@ def cap_error(result: dict[str, Any], log: str) -> str:
     if result["error_type"] == "ValueError":
         return result["error"]
     assert "Engine core initialization failed" in result["error"], result
-    found = [line.split("ValueError: ", 1)[1] for line in log.splitlines() if "ValueError: " in line]
+    found = helpers.logged_value_errors(log)
     assert found, log[-4000:]
     return found[-1]
 
