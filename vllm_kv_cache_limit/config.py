@@ -48,10 +48,42 @@ class KVCacheLimitConfig:
     `VLLM_KV_CACHE_MAX_MEMORY` supplies the value when the argument is not
     given."""
 
+    kv_cache_autoscale: bool = False
+    """Let the KV cache limit follow the workload, within the memory
+    allocated at start-up (`--kv-cache-max-memory`, which it needs). The
+    engine starts at its floor (`--kv-cache-min-memory`) and returns the
+    pages above it to the OS; it grows at once when requests wait for
+    blocks, to their demand plus headroom, and shrinks in drain mode (never
+    preempting) when the demand has stayed below the limit for
+    `VLLM_KV_CACHE_LIMIT_SHRINK_AFTER_S` seconds (default 30). Each change
+    is logged and shown by `GET /kv_cache/max_memory` and the
+    `vllm:kv_cache_limit_bytes` metric; a manual resize sets the ceiling it
+    stays under. On CUDA the limit is logical: memory is not returned."""
+
+    kv_cache_min_memory: int | None = None
+    """The least KV cache an autoscaled engine keeps, per device (same units
+    as `--kv-cache-max-memory`); at most the cap. Default: one request of
+    max_model_len. Needs `--kv-cache-autoscale`."""
+
+    kv_cache_shared_budget: int | None = None
+    """One KV cache budget per device for every autoscaled instance on this
+    host that gives the same value (same units as `--kv-cache-max-memory`):
+    their limits never add up to more than it. Each takes its share through
+    a ledger in the start-up lock folder (`VLLM_KV_CACHE_LIMIT_LOCK_DIR`,
+    shared by containers through a volume); when the budget is used, an
+    instance holding more than its demand needs gives the rest back, and
+    under contention the budget is split in proportion to demand, each
+    keeping its floor. An instance that exits or dies gives its share back.
+    Needs `--kv-cache-autoscale`."""
+
 
 FIELD = "kv_cache_max_memory"
 """The field's name: on ``EngineArgs``, on vLLM's ``CacheConfig`` (pickled to
 every process) and in ``CacheConfig.metrics_info``."""
+
+
+AUTOSCALE_FIELDS = ("kv_cache_autoscale", "kv_cache_min_memory", "kv_cache_shared_budget")
+"""The autoscaling fields: on ``EngineArgs`` and, with a cap, on vLLM's ``CacheConfig``."""
 
 
 def cap_of(cache_config: Any) -> int | None:

@@ -28,7 +28,10 @@ LOCK_DIR = "VLLM_KV_CACHE_LIMIT_LOCK_DIR"
 LOCK_TIMEOUT = "VLLM_KV_CACHE_LIMIT_LOCK_TIMEOUT"
 """Seconds to wait for a device's start-up lock."""
 
-USER_VARIABLES = (MAX_MEMORY, STARTUP_LOCK, LOCK_DIR, LOCK_TIMEOUT)
+SHRINK_AFTER_S = "VLLM_KV_CACHE_LIMIT_SHRINK_AFTER_S"
+"""Seconds an autoscaled engine's demand must stay below its limit before it shrinks."""
+
+USER_VARIABLES = (MAX_MEMORY, STARTUP_LOCK, LOCK_DIR, LOCK_TIMEOUT, SHRINK_AFTER_S)
 """The variables a user sets (docs/kv-cache-max-memory.md, docs/sharing-a-device.md)."""
 
 ERROR_FILE = "KV_CACHE_LIMIT_ERROR_FILE"

@@ -4,6 +4,7 @@ engine config (checked against the device before anything loads).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from collections.abc import Callable
@@ -12,8 +13,15 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kv_cache_limit import compat, envs, startup_lock
+from vllm_kv_cache_limit.autoscale import (
+    AUTOSCALE_FLAG,
+    MIN_MEMORY_FLAG,
+    SHARED_BUDGET_FLAG,
+    check_settings,
+    shrink_after_s,
+)
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.config import FIELD, KVCacheLimitConfig
+from vllm_kv_cache_limit.config import AUTOSCALE_FIELDS, FIELD, KVCacheLimitConfig
 from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
 from vllm_kv_cache_limit.patches.apply import hook_ok
 from vllm_kv_cache_limit.patches.devices import check_fits_before_load, device_total_memory
@@ -57,27 +65,48 @@ def _with_subclasses(cls: type) -> list[type]:
     return found
 
 
+def _parse_bool(name: str) -> Callable[[Any], bool]:
+    def parse(value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"Invalid {name} {value!r}: expected True or False.")
+        return value
+
+    return parse
+
+
+ENGINE_FIELDS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
+    FIELD: (None, "str | int | None", parse_size),
+    "kv_cache_autoscale": (False, "bool", _parse_bool("kv_cache_autoscale")),
+    "kv_cache_min_memory": (None, "str | int | None", parse_size),
+    "kv_cache_shared_budget": (None, "str | int | None", parse_size),
+}
+"""The plugin's ``EngineArgs`` fields: default, annotation, and the parser
+of a value given (``LLM(...)`` keywords and the CLI both pass through it)."""
+
+
 def add_engine_args_field(cls: type) -> None:
     """Why: ``LLM(model, kv_cache_max_memory=...)`` passes its keywords to
     ``EngineArgs(**kwargs)``, ``from_cli_args`` copies the dataclass fields
     from the parsed CLI, and ``vllm bench`` rebuilds ``LLM`` from
-    ``dataclasses.asdict(engine_args)``; all need a real dataclass field.
-    How: registers the field on the existing class and wraps its generated
-    ``__init__`` to accept, validate and store the keyword."""
+    ``dataclasses.asdict(engine_args)``; all need real dataclass fields.
+    How: registers the plugin's fields (``ENGINE_FIELDS``) on the existing
+    class and wraps its generated ``__init__`` to accept, validate and store
+    their keywords."""
     if FIELD in cls.__dict__.get("__dataclass_fields__", {}):
         return
-    field: dataclasses.Field[Any] = dataclasses.field(default=None)  # type: ignore[arg-type]
-    field.name = FIELD
-    field.type = "str | int | None"
-    field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
-    cls.__dataclass_fields__[FIELD] = field  # type: ignore[attr-defined]
-    setattr(cls, FIELD, None)
+    for name, (default, annotation, _) in ENGINE_FIELDS.items():
+        field: dataclasses.Field[Any] = dataclasses.field(default=default)
+        field.name = name
+        field.type = annotation
+        field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
+        cls.__dataclass_fields__[name] = field  # type: ignore[attr-defined]
+        setattr(cls, name, default)
 
     def make(original_init: Callable) -> Callable:
-        def __init__(self: Any, *args: Any, kv_cache_max_memory: str | int | None = None, **kwargs: Any) -> None:
-            if kv_cache_max_memory is not None:
-                kv_cache_max_memory = parse_size(kv_cache_max_memory)
-            self.kv_cache_max_memory = kv_cache_max_memory
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            for name, (default, _, parse) in ENGINE_FIELDS.items():
+                value = kwargs.pop(name, default)
+                setattr(self, name, value if value is None or value is default else parse(value))
             original_init(self, *args, **kwargs)
 
         return __init__
@@ -85,12 +114,12 @@ def add_engine_args_field(cls: type) -> None:
     wrap(cls, "__init__", make)
 
 
-def _flag_help() -> str:
+def _flag_help(field: str = FIELD) -> str:
     # The help is the field's docstring, read as vLLM reads its config fields.
     from vllm.config.utils import get_attr_docs
 
     # argparse expands %-formats in help texts.
-    return get_attr_docs(KVCacheLimitConfig)[FIELD].replace("%", "%%")
+    return get_attr_docs(KVCacheLimitConfig)[field].replace("%", "%%")
 
 
 def _add_cli_flag(original: Callable) -> Callable:
@@ -112,6 +141,17 @@ def _add_cli_flag(original: Callable) -> Callable:
             metavar="SIZE",
             help=_flag_help(),
         )
+        group.add_argument(
+            AUTOSCALE_FLAG,
+            dest="kv_cache_autoscale",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            help=_flag_help("kv_cache_autoscale"),
+        )
+        for flag, field in ((MIN_MEMORY_FLAG, "kv_cache_min_memory"), (SHARED_BUDGET_FLAG, "kv_cache_shared_budget")):
+            group.add_argument(
+                flag, dest=field, type=argparse_size, default=None, metavar="SIZE", help=_flag_help(field)
+            )
         return parser
 
     return add_cli_args
@@ -128,6 +168,12 @@ def _carry_cap_into_config(original: Callable) -> Callable:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         register_environment_variables()
         cap = resolve_cap(getattr(self, FIELD, None), os.environ.get(ENV_VAR))
+        scaling = {name: getattr(self, name, None) for name in AUTOSCALE_FIELDS}
+        check_settings(
+            cap, bool(scaling["kv_cache_autoscale"]), scaling["kv_cache_min_memory"], scaling["kv_cache_shared_budget"]
+        )
+        if scaling["kv_cache_autoscale"]:
+            shrink_after_s()  # a bad value fails here, quoted
         if cap is None:
             # No cap in force for the processes this engine starts.
             os.environ.pop(envs.ERROR_FILE, None)
@@ -145,6 +191,8 @@ def _carry_cap_into_config(original: Callable) -> Callable:
         config = original(self, *args, **kwargs)
         cache_config = config.cache_config
         setattr(cache_config, FIELD, cap)
+        for name, value in scaling.items():
+            setattr(cache_config, name, value)
         reduced, warning = cap_explicit_size(cache_config.kv_cache_memory_bytes, cap)
         if warning:
             logger.warning(warning)

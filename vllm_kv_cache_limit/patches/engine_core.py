@@ -13,6 +13,7 @@ from vllm.logger import init_logger
 from vllm_kv_cache_limit import compat, startup_lock
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
+from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
 from vllm_kv_cache_limit.kv_cache import backing_bytes
 from vllm_kv_cache_limit.patches.apply import hook_ok, name_cap_when_refused
 from vllm_kv_cache_limit.patches.devices import instance_devices
@@ -62,9 +63,14 @@ def _hold_startup_lock(original: Callable) -> Callable:
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         if cap_of(vllm_config.cache_config) is None:
             return original(self, vllm_config, *args, **kwargs)
+
+        def start() -> None:
+            original(self, vllm_config, *args, **kwargs)
+            _start_autoscaling(self, vllm_config)
+
         try:
             if not startup_lock.enabled():
-                return original(self, vllm_config, *args, **kwargs)
+                return start()
             if vllm_config.parallel_config.data_parallel_size > 1:
                 # Only a mixture-of-experts model keeps data_parallel_size > 1
                 # in its engine cores (vLLM runs a dense model's ranks as
@@ -77,14 +83,14 @@ def _hold_startup_lock(original: Callable) -> Callable:
                     vllm_config.parallel_config.data_parallel_rank,
                     vllm_config.parallel_config.data_parallel_size,
                 )
-                return original(self, vllm_config, *args, **kwargs)
+                return start()
             try:
                 devices, _ = instance_devices(vllm_config)
             except Exception as exc:
                 logger.warning("No KV cache start-up lock: the devices could not be named (%r).", exc)
                 devices = []
             with startup_lock.acquire([(d.key, d.label) for d in devices]):
-                return original(self, vllm_config, *args, **kwargs)
+                return start()
         except Exception as exc:
             # A worker on another node (Ray) cannot reach the relay file; its
             # error reaches this process inside the executor's exception.
@@ -94,6 +100,27 @@ def _hold_startup_lock(original: Callable) -> Callable:
             raise
 
     return __init__
+
+
+AUTOSCALE_START = "kv_cache_limit_autoscale_start"
+"""The ``EngineCore`` method run-time resize adds (``resizing.engine_core``)
+that starts autoscaling; called by name, as vLLM's clients call its
+utility methods, since the cap's hooks do not import resizing."""
+
+
+def _start_autoscaling(engine_core: Any, vllm_config: Any) -> None:
+    """With ``--kv-cache-autoscale``, start it before the start-up lock is
+    released (its pages above the floor go back first); fail closed when
+    run-time resize is not there to do it."""
+    if not getattr(vllm_config.cache_config, "kv_cache_autoscale", False):
+        return
+    start = getattr(engine_core, AUTOSCALE_START, None)
+    if start is None:
+        raise KVCacheMaxMemoryError(
+            "--kv-cache-autoscale cannot work in this vLLM: run-time resize's EngineCore methods could not be "
+            "added (see the warning above naming the hook)."
+        )
+    start()
 
 
 def _cap_kv_cache_configs(original: Callable) -> Callable:

@@ -13,10 +13,14 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kv_cache_limit import compat, resize
+from vllm_kv_cache_limit.autoscale import Policy, Scaler, shrink_after_s
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.errors import KVCacheResizeError
+from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError, KVCacheResizeError
+from vllm_kv_cache_limit.patches.devices import instance_devices
 from vllm_kv_cache_limit.patches.wrap import wrap
 from vllm_kv_cache_limit.resize import Allocation
+from vllm_kv_cache_limit.resizing import autoscaling
+from vllm_kv_cache_limit.resizing.autoscaling import Autoscaler
 from vllm_kv_cache_limit.resizing.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional, require_hooks
 from vllm_kv_cache_limit.resizing.block_pool import Limit
 from vllm_kv_cache_limit.sizes import format_size
@@ -33,11 +37,16 @@ def patch(module: Any) -> None:
     def apply() -> None:
         module.EngineCore.kv_cache_limit_set = _kv_cache_limit_set
         module.EngineCore.kv_cache_limit_status = _kv_cache_limit_status
+        module.EngineCore.kv_cache_limit_autoscale_start = _autoscale_start
 
     optional(ENGINE_CORE, apply)
     for hook in (ENGINE_CORE_STEP, ENGINE_CORE_STEP_WITH_BATCH_QUEUE, ENGINE_CORE_ABORT_REQUESTS):
         name = hook.qualname.rpartition(".")[2]
         optional(hook, functools.partial(wrap, module.EngineCore, name, _release_after))
+    optional(
+        ENGINE_CORE_PROC_HANDLE_CLIENT_REQUEST,
+        functools.partial(wrap, module.EngineCoreProc, "_handle_client_request", _autoscale_after_request),
+    )
 
 
 def _release_after(original: Callable) -> Callable:
@@ -57,10 +66,37 @@ def _release_after(original: Callable) -> Callable:
             result = original(self, *args, **kwargs)
         finally:
             self._kvcl_in_step = False
+        _autoscale_tick(self)
         _release_if_due(self)
         return result
 
     return method
+
+
+def _autoscale_after_request(original: Callable) -> Callable:
+    """Why: an idle engine core blocks on its input queue and takes no step,
+    yet an autoscaled limit must fall while it idles and rise as soon as a
+    request arrives. How: wraps ``EngineCoreProc._handle_client_request``
+    (which also gets the ``WAKEUP`` the autoscaler's timer puts in the
+    queue) to let the autoscaler decide after the original, in the engine
+    core's own thread, between steps. Without autoscaling the original runs
+    alone."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if getattr(self, "_kvcl_autoscaler", None) is not None and not getattr(self, "_kvcl_in_step", False):
+            _autoscale_tick(self)
+            _release_if_due(self)
+        return result
+
+    return method
+
+
+def _autoscale_tick(engine_core: Any) -> None:
+    scaler: Autoscaler | None = getattr(engine_core, "_kvcl_autoscaler", None)
+    state = _limit_of(engine_core)
+    if scaler is not None and state is not None:
+        scaler.tick(engine_core, state)
 
 
 def _limit_of(engine_core: Any) -> Limit | None:
@@ -130,7 +166,39 @@ def _pool(engine_core: Any) -> Any:
 def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
     """Apply a new limit of ``nbytes`` per worker; returns the status at once
     (the client polls until it holds). Errors come back as ``{"error": ...}``
-    so that the client raises them with their message."""
+    so that the client raises them with their message. While autoscaling,
+    ``nbytes`` is the ceiling the autoscaler stays under."""
+    scaler: Autoscaler | None = getattr(self, "_kvcl_autoscaler", None)
+    if scaler is None:
+        return _set_limit(self, nbytes, mode)
+    try:
+        require_hooks()
+        mode = resize.parse_mode(mode)
+        ceiling = resize.limit_for(int(nbytes), scaler.allocation)
+        if ceiling < scaler.floor:
+            floor = scaler.floor * scaler.allocation.bytes_per_block
+            raise KVCacheResizeError(
+                f"Cannot set the KV cache limit to {format_size(int(nbytes))} ({nbytes} bytes) while autoscaling: "
+                f"it is below the floor, --kv-cache-min-memory {format_size(floor)} ({floor} bytes). Choose a "
+                f"size of at least {format_size(floor)}."
+            )
+    except KVCacheResizeError as exc:
+        return {"error": str(exc)}
+    scaler.ceiling = ceiling
+    state = _limit_of(self)
+    logger.info(
+        "KV cache autoscale: ceiling set to %s per worker (%d blocks); the autoscaler stays under it.",
+        format_size(int(nbytes)),
+        ceiling,
+    )
+    if state is not None and state.limit > ceiling:
+        return _set_limit(self, ceiling * scaler.allocation.bytes_per_block, mode)
+    return _kv_cache_limit_status(self)
+
+
+def _set_limit(self: Any, nbytes: int, mode: str, log: bool = True) -> dict[str, Any]:
+    """Set the limit to ``nbytes`` per worker (as ``kv_cache_limit_set``
+    without autoscaling); the autoscaler logs its own line (``log=False``)."""
     try:
         require_hooks()
         mode = resize.parse_mode(mode)
@@ -166,15 +234,16 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
             ),
             "failed": True,
         }
-    logger.info(
-        "KV cache limit set to %s per worker (%d of %d blocks, %s), mode %s; was %d blocks.",
-        format_size(int(nbytes)),
-        new,
-        allocation.num_blocks,
-        format_size(new * allocation.bytes_per_block),
-        mode,
-        old,
-    )
+    if log:
+        logger.info(
+            "KV cache limit set to %s per worker (%d of %d blocks, %s), mode %s; was %d blocks.",
+            format_size(int(nbytes)),
+            new,
+            allocation.num_blocks,
+            format_size(new * allocation.bytes_per_block),
+            mode,
+            old,
+        )
     _release_if_due(self)  # nothing above the limit in use (idle, or all preempted)
     return _kv_cache_limit_status(self)
 
@@ -264,9 +333,70 @@ def _kv_cache_limit_status(self: Any) -> dict[str, Any]:
     free = pool.get_num_free_blocks()
     in_use = num_blocks - resize.NULL_BLOCKS - free - len(state.withheld)
     above = sum(1 for block in pool.blocks[state.limit :] if block.ref_cnt > 0 and not block.is_null)
-    return resize.status(
+    status = resize.status(
         state.allocation, state.limit, state.requested, state.mode, in_use, above, state.released_bytes
     )
+    scaler: Autoscaler | None = getattr(self, "_kvcl_autoscaler", None)
+    status["autoscale"] = None if scaler is None else scaler.status()
+    return status
+
+
+def _autoscale_start(self: Any) -> None:
+    """With ``--kv-cache-autoscale``: once the KV cache is allocated (the
+    start-up lock still held), take a place in the shared budget's ledger,
+    set the limit to the floor and return the pages above it to the OS, so
+    the next instance's start-up measures memory without them."""
+    vllm_config = self.vllm_config
+    cache_config = vllm_config.cache_config
+    if not getattr(cache_config, autoscaling.AUTOSCALE, False):
+        return
+    try:
+        require_hooks()
+    except KVCacheResizeError as exc:
+        raise KVCacheMaxMemoryError(f"--kv-cache-autoscale cannot work in this vLLM: {exc}") from None
+    allocation = _allocation(self)
+    floor = autoscaling.floor_blocks(getattr(cache_config, autoscaling.MIN_MEMORY), allocation)
+    groups = []
+    for group in self.scheduler.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        groups.append((spec.block_size, -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)))
+    scaler = Autoscaler(
+        allocation=allocation,
+        scaler=Scaler(Policy(floor, allocation.blocks_per_request, shrink_after_s())),
+        ceiling=allocation.num_blocks,
+        set_limit=functools.partial(_set_limit, log=False),
+        group_caps=groups,
+        max_model_len=allocation.max_model_len,
+        budget=getattr(cache_config, autoscaling.SHARED_BUDGET),
+    )
+    bpb = allocation.bytes_per_block
+    if scaler.budget is not None:
+        devices, _ = instance_devices(vllm_config)
+        autoscaling.join(scaler, [(d.key, d.label) for d in devices])
+    reply = _set_limit(self, floor * bpb, "drain", log=False)
+    if resize.is_error(reply):
+        scaler.close()
+        raise KVCacheMaxMemoryError(f"--kv-cache-autoscale could not set the limit to its floor: {reply['error']}")
+    scaler.held = floor
+    self._kvcl_autoscaler = scaler
+    state = _limit_of(self)
+    logger.info(
+        "KV cache autoscale on: limit %s per worker (the floor, %d of %d blocks), at most %s; %s returned to the "
+        "OS before the next instance's start-up lock is granted (this instance's start-up peak was its whole "
+        "allocation, %s)%s.",
+        format_size(floor * bpb),
+        floor,
+        allocation.num_blocks,
+        format_size(allocation.nbytes),
+        format_size(state.released_bytes if state else 0),
+        format_size(allocation.nbytes),
+        scaler._budget_text(),
+    )
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if isinstance(self, EngineCoreProc):  # an idle engine core blocks on its input queue: wake it
+        autoscaling.start_waking(self, scaler, EngineCoreRequestType.WAKEUP)
 
 
 def _worker_pages(engine_core: Any, keep: int, num_blocks: int, release: bool) -> int:
@@ -309,6 +439,15 @@ ENGINE_CORE_ABORT_REQUESTS = Hook(
     remove_when=RESIZE_REMOVE,
 )
 
+ENGINE_CORE_PROC_HANDLE_CLIENT_REQUEST = Hook(
+    ("vllm.v1.engine.core",),
+    "EngineCoreProc._handle_client_request",
+    ("self", "request_type", "request"),
+    wrapper=_autoscale_after_request,
+    upstream=RESIZE_UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
 FREE_BLOCK_QUEUE_APPEND_N = Hook(("vllm.v1.core.kv_cache_utils",), "FreeKVCacheBlockQueue.append_n", ("self",))
 
 SCHEDULER_PREEMPT_REQUEST = Hook(
@@ -320,6 +459,7 @@ HOOKS = (
     ENGINE_CORE_STEP,
     ENGINE_CORE_STEP_WITH_BATCH_QUEUE,
     ENGINE_CORE_ABORT_REQUESTS,
+    ENGINE_CORE_PROC_HANDLE_CLIENT_REQUEST,
     FREE_BLOCK_QUEUE_APPEND_N,
     SCHEDULER_PREEMPT_REQUEST,
 )

@@ -1,5 +1,6 @@
 """vllm.entrypoints: ``--enable-kv-cache-resize`` and the HTTP routes, guarded
-by ``--api-key``.
+by ``--api-key`` (``GET`` alone with ``--kv-cache-autoscale``, which also
+keeps ``vllm:kv_cache_limit_bytes`` current).
 """
 
 from __future__ import annotations
@@ -60,9 +61,13 @@ def patch_app(module: Any) -> None:
 def _add_routes(original: Callable) -> Callable:
     def build_app(args: Any, *rest: Any, **kwargs: Any) -> Any:
         app = original(args, *rest, **kwargs)
-        if getattr(args, "enable_kv_cache_resize", False):
-            app.include_router(_router(args))
-            logger.info("Run-time KV cache resize enabled: GET and POST %s.", ROUTE)
+        enabled = getattr(args, "enable_kv_cache_resize", False)
+        autoscaled = getattr(args, "kv_cache_autoscale", False)
+        if enabled or autoscaled:
+            app.include_router(_router(args, allow_post=enabled))
+            logger.info("Run-time KV cache resize enabled: %s %s.", "GET and POST" if enabled else "GET", ROUTE)
+        if autoscaled:
+            _refresh_gauge_on_scrape(app)
         return app
 
     return build_app
@@ -96,7 +101,31 @@ def _limit_gauge() -> Any:
     return _gauge
 
 
-def _router(args: Any) -> Any:
+def _refresh_gauge_on_scrape(app: Any) -> None:
+    """An autoscaled engine changes its limit by itself: each scrape of
+    ``/metrics`` (vLLM mounts prometheus's ASGI app there) first reads the
+    limit in force into the gauge."""
+    gauge = _limit_gauge()
+    mounts = [route for route in app.routes if getattr(route, "path", None) == "/metrics" and hasattr(route, "app")]
+    if not mounts:
+        logger.warning("vllm:kv_cache_limit_bytes shows autoscaled limits only after a GET %s: no /metrics.", ROUTE)
+        return
+    for mount in mounts:
+        inner = mount.app
+
+        async def refreshed(scope: Any, receive: Any, send: Any, inner: Any = inner) -> None:
+            if scope.get("type") == "http":
+                try:
+                    status = await async_kv_cache_limit_status(scope["app"].state.engine_client)
+                    gauge.set(status["kv_cache_limit_bytes"])
+                except Exception as exc:  # the scrape goes on with the last value
+                    logger.debug("vllm:kv_cache_limit_bytes not refreshed: %r", exc)
+            await inner(scope, receive, send)
+
+        mount.app = refreshed
+
+
+def _router(args: Any, allow_post: bool = True) -> Any:
     import vllm.envs as envs
     from fastapi import APIRouter, Request
 
@@ -155,7 +184,10 @@ def _router(args: Any) -> Any:
 
     # This module uses postponed annotations; FastAPI needs the class itself
     # to pass the request in.
-    for handler, method in ((get_kv_cache_max_memory, "GET"), (set_kv_cache_max_memory_route, "POST")):
+    routes = [(get_kv_cache_max_memory, "GET")]
+    if allow_post:  # changes the engine: only with --enable-kv-cache-resize
+        routes.append((set_kv_cache_max_memory_route, "POST"))
+    for handler, method in routes:
         handler.__annotations__["request"] = Request
         router.add_api_route(ROUTE, handler, methods=[method])
     return router

@@ -1,0 +1,205 @@
+"""Autoscaled KV cache limits: the decisions, without vLLM.
+
+With ``--kv-cache-autoscale`` the engine core moves its own run-time limit
+(``resize``) between a floor and a ceiling (the start-up allocation, or
+the last manual resize) as its demand changes. Demand is counted in
+blocks: what every unfinished request holds and needs for its next token,
+an upper bound (blocks shared through the prefix cache are counted once per
+request). The rules:
+
+- **Grow at once** when the demand is more than the usable blocks under
+  the limit (requests wait for blocks), to the demand plus headroom.
+- **Shrink in drain mode**, never by preempting, when the demand plus
+  headroom has stayed below the limit for ``shrink_after_s`` seconds
+  (hysteresis: a burst that pauses for less keeps its blocks), down to the
+  demand plus headroom, never below the floor.
+- Headroom: a quarter of the demand, and at least one request of
+  ``max_model_len``, so a new request finds its blocks without waiting for
+  a grow.
+
+With a shared budget (``budget``) every instance's wish is its target and
+the budget is split by KV pressure, in the spirit of Prism: when the wishes
+add up to more than the budget, each instance is entitled to the budget in
+proportion to its wish (never below its floor); one holding more than its
+entitlement gives the rest back in drain mode, at once, so that idle
+instances (small wishes) give first.
+
+The vLLM glue is in ``resizing.autoscaling``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from vllm_kv_cache_limit import envs
+from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.resize import NULL_BLOCKS
+from vllm_kv_cache_limit.sizes import format_size
+
+HEADROOM = 0.25
+"""Headroom over the demand, as a fraction of it."""
+DEFAULT_SHRINK_AFTER_S = 30.0
+"""Seconds the demand must stay below the limit before it shrinks."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One engine's autoscaling bounds, in blocks (the null block included,
+    as in vLLM's ``num_gpu_blocks``)."""
+
+    floor: int
+    """The least limit (``--kv-cache-min-memory``)."""
+    blocks_per_request: int
+    """Blocks one request of ``max_model_len`` needs: the least headroom."""
+    shrink_after_s: float = DEFAULT_SHRINK_AFTER_S
+
+    def target(self, demand: int, ceiling: int) -> int:
+        """The limit that holds ``demand`` blocks in use plus headroom,
+        within ``[floor, ceiling]``."""
+        headroom = max(self.blocks_per_request, -(-demand * int(HEADROOM * 100) // 100))
+        return max(self.floor, min(ceiling, demand + headroom + NULL_BLOCKS))
+
+
+@dataclass
+class Scaler:
+    """The autoscaler's memory between ticks: since when the demand has
+    been below the limit (None: it is not)."""
+
+    policy: Policy
+    below_since: float | None = None
+
+    def decide(self, now: float, demand: int, limit: int, ceiling: int) -> int | None:
+        """The new limit for ``demand`` blocks at time ``now`` (None: keep
+        ``limit``). A limit above the ceiling falls to it at once."""
+        target = self.policy.target(demand, ceiling)
+        if limit > ceiling:
+            self.below_since = None
+            return ceiling
+        if demand + NULL_BLOCKS > limit:  # requests wait for blocks
+            self.below_since = None
+            return target if target > limit else None
+        if target >= limit:
+            self.below_since = None
+            return None
+        if self.below_since is None:
+            self.below_since = now
+            return None
+        if now - self.below_since < self.policy.shrink_after_s:
+            return None
+        self.below_since = None
+        return target
+
+
+@dataclass(frozen=True)
+class Share:
+    """One instance's entry in a device's shared budget, in bytes."""
+
+    holds: int
+    """What it may hold now: its limit, or while a lowered limit drains,
+    the limit it had (its blocks above the new one are still in use)."""
+    wants: int
+    """Its target: demand plus headroom, within its floor and ceiling."""
+    floor: int
+
+
+def entitlement(me: Share, others: list[Share], budget: int) -> int:
+    """What ``me`` may hold under ``budget``: its wish when all wishes fit,
+    else its share of the budget in proportion to its wish (KV pressure),
+    never below its floor."""
+    wants = me.wants + sum(o.wants for o in others)
+    if wants <= budget:
+        return me.wants
+    floors = me.floor + sum(o.floor for o in others)
+    # Above the floors, the budget is split in proportion to each wish above its floor.
+    spare = max(0, budget - floors)
+    above = [max(0, s.wants - s.floor) for s in (me, *others)]
+    total = sum(above)
+    extra = spare * above[0] // total if total else 0
+    return me.floor + extra
+
+
+def grant(me: Share, others: list[Share], budget: int) -> int:
+    """The most ``me`` may raise its hold to now: its wish, at most its
+    entitlement and what the others leave free of the budget (never less
+    than it holds)."""
+    free = budget - sum(o.holds for o in others)
+    return max(me.holds, min(me.wants, entitlement(me, others, budget), free))
+
+
+def give_back(me: Share, others: list[Share], budget: int) -> int | None:
+    """The hold ``me`` should lower to now because others need the budget
+    (None: none). Only when the budget is used and another instance wishes
+    for more than it holds; ``me`` keeps its entitlement."""
+    free = budget - me.holds - sum(o.holds for o in others)
+    needy = sum(max(0, o.wants - o.holds) for o in others)
+    if needy <= max(0, free):
+        return None
+    keep = max(me.floor, min(me.holds, entitlement(me, others, budget)))
+    # Give no more than the others need beyond what is free.
+    keep = max(keep, me.holds - (needy - max(0, free)))
+    return keep if keep < me.holds else None
+
+
+def fits_floors(floor: int, other_floors: list[int], budget: int) -> bool:
+    """Whether a budget holds this instance's floor and the others'."""
+    return floor + sum(other_floors) <= budget
+
+
+AUTOSCALE_FLAG = "--kv-cache-autoscale"
+MIN_MEMORY_FLAG = "--kv-cache-min-memory"
+SHARED_BUDGET_FLAG = "--kv-cache-shared-budget"
+
+
+def check_settings(cap: int | None, enabled: bool, min_memory: int | None, shared_budget: int | None) -> None:
+    """Refuse, quoting them, autoscaling settings that cannot work
+    together, before anything loads. (A floor that cannot hold one request,
+    and a budget below the floors of the instances sharing it, are refused
+    once the block size and the others are known.)"""
+    given = [
+        flag
+        for flag, value in ((MIN_MEMORY_FLAG, min_memory), (SHARED_BUDGET_FLAG, shared_budget))
+        if value is not None
+    ]
+    if not enabled:
+        if given:
+            raise KVCacheMaxMemoryError(
+                f"{' and '.join(given)} apply only with {AUTOSCALE_FLAG}: add {AUTOSCALE_FLAG} (and a cap, "
+                f"--kv-cache-max-memory SIZE), or leave {' and '.join(given)} out."
+            )
+        return
+    if cap is None:
+        raise KVCacheMaxMemoryError(
+            f"{AUTOSCALE_FLAG} needs a cap: give --kv-cache-max-memory SIZE (the most the limit can grow to, "
+            "allocated at start-up), for example --kv-cache-max-memory 8G."
+        )
+    if min_memory is not None and min_memory > cap:
+        raise KVCacheMaxMemoryError(
+            f"{MIN_MEMORY_FLAG} {format_size(min_memory)} ({min_memory} bytes) is above --kv-cache-max-memory "
+            f"{format_size(cap)} ({cap} bytes): the floor must be at most the cap. Give a floor of at most "
+            f"{format_size(cap)}, or a larger cap."
+        )
+    if shared_budget is not None and min_memory is not None and shared_budget < min_memory:
+        raise KVCacheMaxMemoryError(
+            f"{SHARED_BUDGET_FLAG} {format_size(shared_budget)} ({shared_budget} bytes) is below this instance's "
+            f"{MIN_MEMORY_FLAG} {format_size(min_memory)} ({min_memory} bytes): the budget must hold every "
+            "sharing instance's floor. Give a larger budget or a smaller floor."
+        )
+
+
+def shrink_after_s(environ: Mapping[str, str] | None = None) -> float:
+    """``VLLM_KV_CACHE_LIMIT_SHRINK_AFTER_S``: the hysteresis, in seconds."""
+    raw = (environ if environ is not None else os.environ).get(envs.SHRINK_AFTER_S)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_SHRINK_AFTER_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise KVCacheMaxMemoryError(
+            f"{envs.SHRINK_AFTER_S}={raw!r} is not a number of seconds; use for example "
+            f"{envs.SHRINK_AFTER_S}=30 (how long the demand must stay below the limit before it shrinks)."
+        )
+    return value

@@ -1,0 +1,291 @@
+"""The autoscaler of one engine core (``--kv-cache-autoscale``): its demand
+read from the scheduler, its limit set through run-time resize, its share of
+a device's budget kept in the ledger (``budget``). The decisions are in
+``autoscale``; the hooks that call :meth:`Autoscaler.tick` between steps and
+on the engine core's input queue are in ``resizing.engine_core``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit import autoscale, resize, startup_lock
+from vllm_kv_cache_limit.autoscale import Scaler, Share
+from vllm_kv_cache_limit.budget import Ledger, View
+from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError, KVCacheResizeError
+from vllm_kv_cache_limit.resize import Allocation
+from vllm_kv_cache_limit.sizes import format_size
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+TICK_S = 0.1
+"""Seconds between two decisions (and two wake-ups of an idle engine core)."""
+JOIN_TIMEOUT_S = 120.0
+"""Seconds a starting instance waits for the others to give back its floor."""
+
+AUTOSCALE = "kv_cache_autoscale"
+MIN_MEMORY = "kv_cache_min_memory"
+SHARED_BUDGET = "kv_cache_shared_budget"
+"""The ``CacheConfig`` attributes the engine arguments are carried in."""
+
+
+@dataclass
+class Autoscaler:
+    """One engine core's autoscaling state (on the engine core as ``_kvcl_autoscaler``)."""
+
+    allocation: Allocation
+    scaler: Scaler
+    ceiling: int
+    """Blocks: the start-up allocation, or the last manual resize."""
+    set_limit: Callable[[Any, int, str], dict[str, Any]]
+    """Sets the engine core's limit (``resizing.engine_core._set_limit``)."""
+    group_caps: list[tuple[int, int]]
+    """Per KV cache group: tokens per block, and the most blocks one request needs."""
+    max_model_len: int
+    budget: int | None = None
+    ledgers: list[Ledger] = field(default_factory=list)
+    held: int = 0
+    """Blocks this instance's ledger entry holds (its limit, or while a
+    lowered limit drains, the one it had)."""
+    demand: int = 0
+    target: int = 0
+    others: list[dict[str, Any]] = field(default_factory=list)
+    last_tick: float = 0.0
+    changes: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def floor(self) -> int:
+        return self.scaler.policy.floor
+
+    def read_demand(self, scheduler: Any) -> int:
+        """Blocks every unfinished request holds and needs for its next
+        token, per KV cache group (an upper bound)."""
+        total = 0
+        for request in scheduler.requests.values():
+            tokens = min(request.num_tokens + 1, self.max_model_len)
+            for block_size, most in self.group_caps:
+                total += min(most, -(-tokens // block_size))
+        return total
+
+    def tick(self, engine_core: Any, pool_limit: Any, now: float | None = None) -> None:
+        """One decision, at most every ``TICK_S``; never raises into vLLM."""
+        now = time.monotonic() if now is None else now
+        if now - self.last_tick < TICK_S:
+            return
+        self.last_tick = now
+        try:
+            self._tick(engine_core, pool_limit, now)
+        except Exception:
+            logger.exception(
+                "KV cache autoscaling failed in this step; the limit stays at %d blocks.", pool_limit.limit
+            )
+
+    def _tick(self, engine_core: Any, state: Any, now: float) -> None:
+        limit = state.limit
+        self.demand = self.read_demand(engine_core.scheduler)
+        new = self.scaler.decide(now, self.demand, limit, self.ceiling)
+        self.target = self.scaler.policy.target(self.demand, self.ceiling)
+        drained = len(state.withheld) == self.allocation.num_blocks - limit
+        if new is None:
+            reason = ""
+        elif new > limit:
+            reason = "requests wait for blocks"
+        elif limit > self.ceiling:
+            reason = "above the ceiling"
+        else:
+            reason = f"demand below the limit for {self.scaler.policy.shrink_after_s:g} s"
+        if self.budget is not None:
+            new, gave = self._within_budget(limit, new, drained)
+            if gave:
+                reason = "another instance needs the shared budget"
+        if new is None or new == limit:
+            return
+        self.apply(engine_core, limit, new, reason)
+
+    def apply(self, engine_core: Any, old: int, new: int, reason: str) -> None:
+        bpb = self.allocation.bytes_per_block
+        reply = self.set_limit(engine_core, new * bpb, "drain")
+        if resize.is_error(reply):
+            logger.warning("KV cache autoscaling could not set the limit to %d blocks: %s", new, reply["error"])
+            return
+        self.changes += 1
+        logger.info(
+            "KV cache autoscale: limit %s -> %s per worker (%d -> %d blocks of %d allocated; demand %d blocks; %s)%s.",
+            format_size(old * bpb),
+            format_size(new * bpb),
+            old,
+            new,
+            self.allocation.num_blocks,
+            self.demand,
+            reason,
+            self._budget_text(),
+        )
+
+    def _budget_text(self) -> str:
+        if self.budget is None:
+            return ""
+        others = sum(int(o["holds"]) for o in self.others)
+        return f"; shared budget {format_size(self.budget)}, others hold {format_size(others)}"
+
+    def _shares(self, holds: int) -> tuple[Share, list[Share]]:
+        bpb = self.allocation.bytes_per_block
+        me = Share(holds=holds * bpb, wants=self.target * bpb, floor=self.floor * bpb)
+        return me, [Share(int(o["holds"]), int(o["wants"]), int(o["floor"])) for o in self.others]
+
+    def _within_budget(self, limit: int, new: int | None, drained: bool) -> tuple[int | None, bool]:
+        """``new`` bounded by the ledger, and a give-back when others need
+        the budget; writes this instance's entry."""
+        assert self.budget is not None
+        bpb = self.allocation.bytes_per_block
+        with self.transaction() as views:
+            self.others = [o for view in views for o in view.others]
+            if drained:
+                self.held = limit
+            me, others = self._shares(self.held)
+            if new is not None and new > limit:
+                granted = autoscale.grant(me, others, self.budget) // bpb
+                new = min(new, granted) if granted > limit else None
+            gave = False
+            if new is None or new <= limit:
+                back = autoscale.give_back(me, others, self.budget)
+                if back is not None and max(self.floor, back // bpb) < min(new or limit, limit):
+                    self.scaler.below_since = None
+                    new, gave = max(self.floor, back // bpb), True
+            if new is not None and new > limit:
+                self.held = max(self.held, new)
+            self._write(views)
+        return new, gave
+
+    @contextlib.contextmanager
+    def transaction(self) -> Any:
+        with contextlib.ExitStack() as stack:
+            yield [stack.enter_context(ledger.transaction()) for ledger in self.ledgers]
+
+    def _write(self, views: list[View]) -> None:
+        bpb = self.allocation.bytes_per_block
+        record = {
+            "budget": self.budget,
+            "floor": self.floor * bpb,
+            "holds": self.held * bpb,
+            "wants": self.target * bpb,
+        }
+        for view in views:
+            view.write(record)
+
+    def status(self) -> dict[str, Any]:
+        bpb = self.allocation.bytes_per_block
+        return {
+            "floor_bytes": self.floor * bpb,
+            "ceiling_bytes": self.ceiling * bpb,
+            "demand_blocks": self.demand,
+            "target_bytes": self.target * bpb,
+            "changes": self.changes,
+            "shared_budget": self.budget,
+            "held_bytes": self.held * bpb if self.budget is not None else None,
+            "others": [{k: o.get(k) for k in ("label", "holds", "wants", "floor")} for o in self.others],
+        }
+
+    def close(self) -> None:
+        self.stop.set()
+        for ledger in self.ledgers:
+            ledger.close()
+        self.ledgers = []
+
+
+def floor_blocks(min_memory: int | None, allocation: Allocation) -> int:
+    """The floor in blocks: ``--kv-cache-min-memory``, by default one
+    request of ``max_model_len``; refused as resize refuses a limit that
+    cannot hold one request, or above the start-up allocation."""
+    if min_memory is None:
+        return allocation.blocks_per_request + resize.NULL_BLOCKS
+    try:
+        return resize.limit_for(min_memory, allocation)
+    except KVCacheResizeError as exc:
+        raise KVCacheMaxMemoryError(f"--kv-cache-min-memory {format_size(min_memory)} is refused: {exc}") from None
+
+
+def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None = None) -> None:
+    """Take this instance's place in every device's ledger, refusing a
+    budget that differs from the others' or that cannot hold every floor,
+    and wait (bounded) until the others leave this instance its floor."""
+    assert scaler.budget is not None
+    folder = startup_lock.lock_dir() if folder is None else folder
+    bpb = scaler.allocation.bytes_per_block
+    floor = scaler.floor * bpb
+    try:
+        for key, _ in sorted(set(devices)):
+            scaler.ledgers.append(Ledger(folder, key))
+    except OSError as exc:
+        scaler.close()
+        raise KVCacheMaxMemoryError(f"--kv-cache-shared-budget: the ledger in {folder} cannot be used: {exc}") from None
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    scaler.target = scaler.floor
+    try:
+        while True:
+            with scaler.transaction() as views:
+                scaler.others = [o for view in views for o in view.others]
+                _check_others(scaler.budget, floor, scaler.others, devices)
+                free = scaler.budget - max((sum(int(o["holds"]) for o in view.others) for view in views), default=0)
+                if free >= floor:
+                    scaler.held = scaler.floor
+                scaler._write(views)
+            if scaler.held:
+                return
+            if time.monotonic() > deadline:
+                holders = ", ".join(f"{o.get('label')} ({format_size(int(o['holds']))})" for o in scaler.others)
+                raise KVCacheMaxMemoryError(
+                    f"--kv-cache-shared-budget {format_size(scaler.budget)}: the other instances on "
+                    f"{', '.join(label for _, label in devices)} hold it ({holders}) and did not leave this "
+                    f"instance its --kv-cache-min-memory {format_size(floor)} within {JOIN_TIMEOUT_S:g} s. "
+                    "Start it when they are idle, or give a larger budget."
+                )
+            time.sleep(0.2)
+    except BaseException:
+        scaler.close()
+        raise
+
+
+def _check_others(total: int, floor: int, others: list[dict[str, Any]], devices: list[tuple[str, str]]) -> None:
+    where = ", ".join(label for _, label in devices)
+    for other in others:
+        if other.get("budget") != total:
+            raise KVCacheMaxMemoryError(
+                f"--kv-cache-shared-budget {format_size(total)} ({total} bytes) differs from the "
+                f"{format_size(int(other.get('budget') or 0))} ({other.get('budget')} bytes) that {other.get('label')} "
+                f"gave for {where}; every instance sharing a device must give the same budget."
+            )
+    floors = [int(o["floor"]) for o in others]
+    if not autoscale.fits_floors(floor, floors, total):
+        least = floor + sum(floors)
+        raise KVCacheMaxMemoryError(
+            f"--kv-cache-shared-budget {format_size(total)} ({total} bytes) is below the floors of the "
+            f"instances on {where}: this one's {format_size(floor)} and {len(others)} other(s)' "
+            f"{format_size(sum(floors))} ({', '.join(str(o.get('label')) for o in others)}). Give a budget of at "
+            f"least {format_size(least)} ({least} bytes), or lower --kv-cache-min-memory."
+        )
+
+
+def start_waking(engine_core: Any, scaler: Autoscaler, wakeup: Any) -> threading.Thread:
+    """A daemon thread that puts vLLM's own ``WAKEUP`` into an idle engine
+    core's input queue every ``TICK_S``, so that the autoscaler also decides
+    while no request arrives (an idle engine core blocks on that queue).
+    It only enqueues: every decision runs in the engine core's thread."""
+
+    def run() -> None:
+        while not scaler.stop.wait(TICK_S):
+            queue = getattr(engine_core, "input_queue", None)
+            if queue is not None and queue.empty():
+                queue.put_nowait((wakeup, None))
+
+    thread = threading.Thread(target=run, name="kv-cache-autoscale", daemon=True)
+    thread.start()
+    return thread
