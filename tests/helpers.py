@@ -264,26 +264,28 @@ class Server:
 
 @contextlib.contextmanager
 def api_servers(
-    servers: dict[str, tuple[list[str], dict[str, str]]],
+    servers: dict[str, tuple[list[str], dict[str, str]] | tuple[list[str], dict[str, str], list[str]]],
     folder: Path,
     timeout: float = 300.0,
     cwd: Path | None = None,
 ) -> Iterator[dict[str, Server]]:
     """Start one OpenAI API server per name (its CLI arguments after
-    ``--host/--port``, and its environment) at the same instant, wait until
-    each answers /health or exits, yield them, then stop them all, process
+    ``--host/--port``, its environment, and optionally a command it runs
+    under, such as ``unshare ...``) at the same instant, wait until each
+    answers /health or exits, yield them, then stop them all, process
     groups included. Python's ``requests`` is needed."""
     import requests
 
     procs: dict[str, tuple[subprocess.Popen, Server]] = {}
     try:
         launched = time.monotonic()
-        for name, (args, env) in servers.items():
+        for name, (args, env, *launcher) in servers.items():
             port = free_port()
             log_path = folder / f"{name}.log"
             with open(log_path, "w") as log:
                 proc = subprocess.Popen(
                     [
+                        *(launcher[0] if launcher else []),
                         sys.executable,
                         "-m",
                         "vllm.entrypoints.openai.api_server",

@@ -121,11 +121,12 @@ def entitlement(me: Share, others: list[Share], budget: int) -> int:
 
 
 def grant(me: Share, others: list[Share], budget: int) -> int:
-    """The most ``me`` may raise its hold to now: its wish, at most its
-    entitlement and what the others leave free of the budget (never less
-    than it holds)."""
+    """The most ``me`` may raise its limit to now: its wish, at most its
+    entitlement (so that an instance that gave back under contention does
+    not take it again at once) and what the others leave free of the
+    budget."""
     free = budget - sum(o.holds for o in others)
-    return max(me.holds, min(me.wants, entitlement(me, others, budget), free))
+    return min(me.wants, entitlement(me, others, budget), free)
 
 
 def give_back(me: Share, others: list[Share], budget: int) -> int | None:

@@ -26,13 +26,12 @@ import fcntl
 import json
 import os
 import secrets
-import socket
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kv_cache_limit.startup_lock import LockSetupError, _open_dir, lock_name
+from vllm_kv_cache_limit.startup_lock import LockSetupError, _open_dir, holder_label, lock_name
 
 LEDGER_LOCK = "ledger.lock"
 ENTRY_SUFFIX = ".entry"
@@ -42,12 +41,6 @@ RECORD_BYTES = 4096
 def folder_name(key: str) -> str:
     """The ledger folder of a device key such as ``cpu-node0``."""
     return "budget-" + lock_name(key).removesuffix(".lock")
-
-
-def instance_label() -> str:
-    """How other instances name this one: host name (a container's own)
-    and pid (in its PID namespace)."""
-    return f"{socket.gethostname()} pid {os.getpid()}"
 
 
 def _open_subdir(parent_fd: int, name: str, shown: str) -> int:
@@ -83,7 +76,7 @@ def _open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int 
     try:
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode, dir_fd=dir_fd)
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOENT, errno.ENXIO):
+        if exc.errno in (errno.ELOOP, errno.ENOENT, errno.ENXIO, errno.EISDIR):
             return None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -127,14 +120,18 @@ class Ledger:
 
     def __init__(self, folder: str, key: str, label: str | None = None) -> None:
         self.key = key
-        self.label = label or instance_label()
+        self.label = label or holder_label()
         self.path = os.path.join(folder, folder_name(key))
         top = _open_dir(folder)
         try:
             self.dir_fd = _open_subdir(top, folder_name(key), self.path)
         finally:
             os.close(top)
-        lock_fd = _open_regular(self.dir_fd, LEDGER_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            lock_fd = _open_regular(self.dir_fd, LEDGER_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            os.close(self.dir_fd)
+            raise
         if lock_fd is None:
             os.close(self.dir_fd)
             raise LockSetupError(f"the ledger lock {os.path.join(self.path, LEDGER_LOCK)} is not a regular file")

@@ -70,10 +70,10 @@ class KVCacheLimitConfig:
     host that gives the same value (same units as `--kv-cache-max-memory`):
     their limits never add up to more than it. Each takes its share through
     a ledger in the start-up lock folder (`VLLM_KV_CACHE_LIMIT_LOCK_DIR`,
-    shared by containers through a volume); when the budget is used, an
-    instance holding more than its demand needs gives the rest back, and
-    under contention the budget is split in proportion to demand, each
-    keeping its floor. An instance that exits or dies gives its share back.
+    shared by containers through a volume); when the budget is used and
+    another instance needs blocks, an instance holding more than its
+    entitlement gives back what the other needs: under contention the
+    budget is split in proportion to demand, each keeping its floor. An instance that exits or dies gives its share back.
     Needs `--kv-cache-autoscale`."""
 
 

@@ -32,7 +32,7 @@ SHRINK_AFTER_S = "VLLM_KV_CACHE_LIMIT_SHRINK_AFTER_S"
 """Seconds an autoscaled engine's demand must stay below its limit before it shrinks."""
 
 USER_VARIABLES = (MAX_MEMORY, STARTUP_LOCK, LOCK_DIR, LOCK_TIMEOUT, SHRINK_AFTER_S)
-"""The variables a user sets (docs/kv-cache-max-memory.md, docs/sharing-a-device.md)."""
+"""The variables a user sets (docs/kv-cache-max-memory.md, docs/sharing-a-device.md, docs/autoscale.md)."""
 
 ERROR_FILE = "KV_CACHE_LIMIT_ERROR_FILE"
 """Internal: set in the first process when a cap is given; an engine-core or

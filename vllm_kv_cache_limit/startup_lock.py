@@ -24,6 +24,7 @@ import errno
 import fcntl
 import logging
 import os
+import socket
 import stat
 import tempfile
 import time
@@ -139,6 +140,12 @@ def open_lock_file(folder: str, key: str) -> int:
     return fd
 
 
+def holder_label() -> str:
+    """How other instances name this one in their log: its host name (in a
+    container, the container's own) and its pid (in its PID namespace)."""
+    return f"{socket.gethostname()} pid {os.getpid()}"
+
+
 def _holder(fd: int) -> str:
     try:
         text = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
@@ -247,7 +254,7 @@ def acquire(devices: list[tuple[str, str]], folder: str | None = None, timeout: 
             continue
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} since {time.time():.3f}\n".encode(), 0)
+            os.pwrite(fd, f"{holder_label()} since {time.time():.3f}\n".encode(), 0)
         except OSError:
             pass  # the holder's note only serves the waiters' log lines
         held.held.append((label, fd))

@@ -235,7 +235,7 @@ def complete(base: str, prompt: str = "Hello, my name is", max_tokens: int = 16)
 
 @contextlib.contextmanager
 def api_servers(
-    servers: dict[str, tuple[list[str], dict[str, str]]], folder: Path
+    servers: dict[str, tuple[list[str], dict[str, str]] | tuple[list[str], dict[str, str], list[str]]], folder: Path
 ) -> Iterator[dict[str, tuple[str, Path]]]:
     """Start one OpenAI API server per name at the same time (see
     ``tests.helpers.api_servers``), fail unless all answer /health, yield

@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import REFERENCE_PYTHON, UPSTREAM
 from tests.e2e.conftest import REPO, engine_env
 from tests.e2e.test_version_drift import KV_SIZE, expected_blocks
+from vllm_kv_cache_limit.autoscale import AUTOSCALE_FLAG, MIN_MEMORY_FLAG, SHARED_BUDGET_FLAG
 from vllm_kv_cache_limit.policy import FLAG
 from vllm_kv_cache_limit.resizing.server import ENABLE_FLAG as RESIZE_FLAG
 
@@ -135,6 +136,15 @@ def _without_flag_entry(lines: list[str], flag: str = FLAG) -> list[str]:
     return lines[:start] + lines[end:]
 
 
+AUTOSCALE_FLAGS = (AUTOSCALE_FLAG, MIN_MEMORY_FLAG, SHARED_BUDGET_FLAG)
+AUTOSCALE_USAGE = (
+    ["[" + AUTOSCALE_FLAG, "|", "--no-" + AUTOSCALE_FLAG.removeprefix("--") + "]"],
+    ["[" + MIN_MEMORY_FLAG, "SIZE]"],
+    ["[" + SHARED_BUDGET_FLAG, "SIZE]"],
+)
+"""How argparse writes the autoscaling flags in the usage line."""
+
+
 @pytest.mark.smoke
 def test_cli_help_of_every_other_option_is_unchanged() -> None:
     with_plugin, without = _help({}), _help(WITHOUT_PLUGIN, WITHOUT_PYTHON)
@@ -145,12 +155,17 @@ def test_cli_help_of_every_other_option_is_unchanged() -> None:
     at = usage_on.index(flag_usage[0])
     assert usage_on[at : at + 2] == flag_usage
     usage_on = usage_on[:at] + usage_on[at + 2 :]
-    if not UPSTREAM:  # the server's own flag for run-time resize (off by default)
+    if not UPSTREAM:  # the server's own flag for run-time resize (off by default), and autoscaling's
         usage_on.remove(f"[{RESIZE_FLAG}]")
+        for tokens in AUTOSCALE_USAGE:
+            at = usage_on.index(tokens[0])
+            assert usage_on[at : at + len(tokens)] == tokens, usage_on[at : at + len(tokens)]
+            usage_on = usage_on[:at] + usage_on[at + len(tokens) :]
     assert usage_on == usage_off
     rest_on = _without_flag_entry(rest_on)
     if not UPSTREAM:
-        rest_on = _without_flag_entry(rest_on, RESIZE_FLAG)
-    assert FLAG not in "\n".join(rest_on) and RESIZE_FLAG not in "\n".join(rest_on)
+        for flag in (RESIZE_FLAG, *AUTOSCALE_FLAGS):
+            rest_on = _without_flag_entry(rest_on, flag)
+    assert all(flag not in "\n".join(rest_on) for flag in (FLAG, RESIZE_FLAG, *AUTOSCALE_FLAGS))
     diff = "\n".join(difflib.unified_diff(rest_off, rest_on, "without plugin", "with plugin", lineterm=""))
     assert rest_on == rest_off, diff[:4000]

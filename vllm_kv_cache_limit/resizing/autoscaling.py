@@ -134,7 +134,8 @@ class Autoscaler:
         if self.budget is None:
             return ""
         others = sum(int(o["holds"]) for o in self.others)
-        return f"; shared budget {format_size(self.budget)}, others hold {format_size(others)}"
+        names = ", ".join(str(o.get("label")) for o in self.others) or "none"
+        return f"; shared budget {format_size(self.budget)}, others hold {format_size(others)} ({names})"
 
     def _shares(self, holds: int) -> tuple[Share, list[Share]]:
         bpb = self.allocation.bytes_per_block
@@ -147,7 +148,7 @@ class Autoscaler:
         assert self.budget is not None
         bpb = self.allocation.bytes_per_block
         with self.transaction() as views:
-            self.others = [o for view in views for o in view.others]
+            self.others = _instances(views)
             if drained:
                 self.held = limit
             me, others = self._shares(self.held)
@@ -201,6 +202,16 @@ class Autoscaler:
         self.ledgers = []
 
 
+def _instances(views: list[View]) -> list[dict[str, Any]]:
+    """The other instances in the ledgers of this instance's devices, each
+    once (a tensor-parallel instance has an entry in every device's ledger)."""
+    found: dict[str, dict[str, Any]] = {}
+    for view in views:
+        for record in view.others:
+            found.setdefault(str(record.get("label")), record)
+    return list(found.values())
+
+
 def floor_blocks(min_memory: int | None, allocation: Allocation) -> int:
     """The floor in blocks: ``--kv-cache-min-memory``, by default one
     request of ``max_model_len``; refused as resize refuses a limit that
@@ -232,7 +243,7 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
     try:
         while True:
             with scaler.transaction() as views:
-                scaler.others = [o for view in views for o in view.others]
+                scaler.others = _instances(views)
                 _check_others(scaler.budget, floor, scaler.others, devices)
                 free = scaler.budget - max((sum(int(o["holds"]) for o in view.others) for view in views), default=0)
                 if free >= floor:

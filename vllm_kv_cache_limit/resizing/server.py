@@ -65,7 +65,12 @@ def _add_routes(original: Callable) -> Callable:
         autoscaled = getattr(args, "kv_cache_autoscale", False)
         if enabled or autoscaled:
             app.include_router(_router(args, allow_post=enabled))
-            logger.info("Run-time KV cache resize enabled: %s %s.", "GET and POST" if enabled else "GET", ROUTE)
+            if enabled:
+                logger.info("Run-time KV cache resize enabled: GET and POST %s.", ROUTE)
+            else:
+                logger.info(
+                    "KV cache autoscale: GET %s reads the limit in force (changing it needs %s).", ROUTE, ENABLE_FLAG
+                )
         if autoscaled:
             _refresh_gauge_on_scrape(app)
         return app

@@ -1,0 +1,311 @@
+"""Autoscaled limits and one shared budget on real CPU engines: two servers
+launched at once, one of them as in its own container (``unshare`` with its
+own PID namespace, host name and ``TMPDIR``, the lock folder given
+explicitly), both autoscaled under one budget. Load on A only, then B only,
+then both: at every sample their limits add up to at most the budget, no
+request fails, A's limit rises while B idles and falls back when B needs
+blocks; an idle server falls to its floor and its worker's RSS falls by the
+bytes released; killed with SIGKILL, B gives its share back and A grows
+into it. Bad values fail at start-up, quoted."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.e2e.conftest import api_servers, engine_env, server_args
+from tests.helpers import CompletionLoad
+
+pytestmark = pytest.mark.plugin_only  # autoscaling is the plugin's
+
+MiB = 2**20
+CAP = 48 * MiB
+BUDGET = 40 * MiB
+"""Less than the two caps together, more than either one's load needs alone."""
+SHRINK_AFTER_S = 10
+MAX_MODEL_LEN = 2048
+CLIENTS = 24
+PROMPT = "the quick brown fox jumps over the lazy dog " * 150
+"""About 1350 tokens: with 100 generated, 12 blocks of 128 tokens a request,
+so 24 clients ask for about 288 blocks (36 MiB) of KV cache, more than half
+the budget."""
+MAX_TOKENS = 100
+HOST_B = "container-b"
+BOUND_S = 240
+"""What a change of phase may take on the 2-core test machine."""
+
+
+def unshare_available() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "--uts", "true"], capture_output=True, timeout=30
+    )
+    return probe.returncode == 0
+
+
+def container(hostname: str, tmpdir: Path) -> list[str]:
+    """A command prefix that runs a server as in its own container: its own
+    PID namespace (and /proc), its own host name, its own ``TMPDIR``."""
+    return [
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--uts",
+        "sh",
+        "-c",
+        f'hostname {hostname} && TMPDIR={tmpdir} exec "$@"',
+        "sh",
+    ]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    if not unshare_available():
+        pytest.fail("unshare --pid --fork --mount-proc --uts does not run here; the container case needs it")
+    folder = tmp_path_factory.mktemp("autoscale")
+    locks = folder / "locks"
+    args = server_args(
+        tiny_model,
+        f"{CAP // MiB}M",
+        None,
+        "--kv-cache-autoscale",
+        "--kv-cache-shared-budget",
+        f"{BUDGET // MiB}M",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "64",
+        "--worker-extension-cls",
+        "tests.helpers.KVCacheProbe",
+    )
+    env = engine_env(
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_KV_CACHE_LIMIT_LOCK_DIR=str(locks),
+        VLLM_KV_CACHE_LIMIT_SHRINK_AFTER_S=str(SHRINK_AFTER_S),
+    )
+    tmp_b = folder / "tmp-b"
+    tmp_b.mkdir()
+    env_a, env_b = dict(env), {**env, "TMPDIR": str(tmp_b)}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        # Each server's OpenMP threads on half the cores, as two instances
+        # sharing a CPU host are run: both bound to all cores, they contend
+        # (an engine core then waits a minute on its worker).
+        half = len(cores) // 2
+        env_a["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[:half]))
+        env_b["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[half:]))
+    specs = {"a": (args, env_a), "b": (args, env_b, container(HOST_B, tmp_b))}
+    with api_servers(specs, folder) as running:
+        yield {"servers": running, "locks": locks, "tmp_b": tmp_b}
+
+
+def status(base: str) -> dict[str, Any]:
+    reply = requests.get(base + "/kv_cache/max_memory", timeout=180)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def ledger_holds(locks: Path) -> list[int]:
+    """The holds in the device's ledger, read as an outside reader (no lock:
+    a record is rewritten whole, and this only sums what it can parse)."""
+    holds = []
+    for entry in sorted(locks.glob("budget-*/*.entry")):
+        try:
+            holds.append(int(json.loads(entry.read_text())["holds"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return holds
+
+
+def worker_rpc(base: str, method: str) -> list[int]:
+    reply = requests.post(base + "/collective_rpc", json={"method": method}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return [int(r) for r in reply.json()["results"]]
+
+
+class Sampler:
+    """Samples both servers' limits every half second in a thread: A, B,
+    then A again, so that for each sample ``min(A before, A after) + B``
+    is at most what both held at the instant B was read."""
+
+    def __init__(self, a: str, b: str, locks: Path) -> None:
+        self.a, self.b, self.locks = a, b, locks
+        self.samples: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                a1, b, a2 = status(self.a), status(self.b), status(self.a)
+                self.samples.append(
+                    {
+                        "t": time.monotonic(),
+                        "a": min(a1["kv_cache_limit_bytes"], a2["kv_cache_limit_bytes"]),
+                        "b": b["kv_cache_limit_bytes"],
+                        "a_max": max(a1["kv_cache_limit_bytes"], a2["kv_cache_limit_bytes"]),
+                        "ledger": sum(ledger_holds(self.locks)),
+                    }
+                )
+            except Exception as exc:
+                self.errors.append(repr(exc))
+            self.stop.wait(0.5)
+
+    def __enter__(self) -> Sampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=120)
+
+
+def load(base: str) -> CompletionLoad:
+    return CompletionLoad(base, CLIENTS, PROMPT, MAX_TOKENS)
+
+
+def wait_for(condition: Any, what: str, timeout: float = BOUND_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_two_autoscaled_servers_share_one_budget(pair: dict[str, Any]) -> None:
+    a, b = (pair["servers"][name][0] for name in ("a", "b"))
+    log_a = pair["servers"]["a"][1]
+    first_a, first_b = status(a), status(b)
+    floor = first_a["autoscale"]["floor_bytes"]
+    bpb = first_a["bytes_per_block"]
+    # Premise: both started at their floor, under one budget that holds both floors.
+    assert first_a["autoscale"]["shared_budget"] == first_b["autoscale"]["shared_budget"] == BUDGET
+    assert first_a["kv_cache_limit_bytes"] == first_b["kv_cache_limit_bytes"] == floor < BUDGET // 8
+    assert first_a["kv_cache_allocated_bytes"] == first_b["kv_cache_allocated_bytes"] == CAP
+    # Each worker holds no more of its KV cache than the floor: the rest went back at start-up.
+    for base in (a, b):
+        assert max(worker_rpc(base, "kv_cache_resident_bytes")) <= floor + 2 * bpb
+
+    runs: list[CompletionLoad] = []
+    with Sampler(a, b, pair["locks"]) as sampler:
+        # A only: A grows past half the budget while B idles at its floor.
+        with load(a) as on_a:
+            runs.append(on_a)
+            wait_for(lambda: status(a)["kv_cache_limit_bytes"] > BUDGET // 2, "A to grow past half the budget")
+            assert status(b)["kv_cache_limit_bytes"] == floor
+        peak_a = status(a)["kv_cache_limit_bytes"]
+        # B only, at once: B needs blocks, and A, idle, gives its share back
+        # before its own hysteresis would have lowered it.
+        given_back = log_a.read_text().count("another instance needs the shared budget")
+        with load(b) as on_b:
+            runs.append(on_b)
+            wait_for(lambda: status(b)["kv_cache_limit_bytes"] > BUDGET // 2, "B to grow past half the budget")
+            assert status(a)["kv_cache_limit_bytes"] < peak_a
+            assert log_a.read_text().count("another instance needs the shared budget") > given_back
+            # Both: A's burst grows it back beside busy B, within the budget.
+            with load(a) as on_a:
+                runs.append(on_a)
+                wait_for(lambda: status(a)["kv_cache_limit_bytes"] > 4 * floor, "A to grow beside busy B")
+                time.sleep(20)
+                resident_a = max(worker_rpc(a, "kv_cache_resident_bytes"))
+        # Idle: both fall to their floor, and A's worker gives the pages back.
+        for base in (a, b):
+            wait_for(lambda base=base: status(base)["kv_cache_limit_bytes"] == floor, "idle servers at their floor")
+            wait_for(lambda base=base: status(base)["holds"], "the drain to hold", 60)
+    fell = min(worker_rpc(a, "kv_cache_limit_rss_fall"))
+    assert resident_a - floor > 4 * MiB, (resident_a, floor)  # premise: A's load made pages resident
+    assert fell >= 0.9 * (resident_a - floor - 2 * bpb), (fell, resident_a, floor)
+    assert max(worker_rpc(a, "kv_cache_resident_bytes")) <= floor + 2 * bpb
+    # The first burst after idling grows A back, with no failed request.
+    with load(a) as on_a:
+        runs.append(on_a)
+        wait_for(lambda: status(a)["kv_cache_limit_bytes"] > BUDGET // 2, "A to grow again after idling")
+
+    samples = sampler.samples
+    assert not sampler.errors, sampler.errors[:3]
+    assert len(samples) > 20, len(samples)
+    over = [s for s in samples if s["a"] + s["b"] > BUDGET or s["ledger"] > BUDGET]
+    assert not over, over[:5]
+    assert max(s["b"] for s in samples) > BUDGET // 2 and max(s["a_max"] for s in samples) >= peak_a
+    failures = [f for run in runs for f in run.failures]
+    assert not failures, failures[:3]
+    assert all(run.completed > 0 for run in runs), [run.completed for run in runs]
+
+
+def test_container_instance_shares_the_lock_and_the_ledger(pair: dict[str, Any]) -> None:
+    logs = {name: path.read_text() for name, (_, path) in pair["servers"].items()}
+    # The container's start-up lock and ledger are the shared folder's, not its own TMPDIR's.
+    assert not list(pair["tmp_b"].glob("vllm-kv-cache-limit*")), list(pair["tmp_b"].iterdir())
+    hosts = {"a": socket.gethostname(), "b": HOST_B}
+    # Whichever started second waited for the other's start-up lock and names
+    # it by its host name (the container's own for B) and its pid there.
+    waited = {
+        name: re.findall(r"Waiting for the KV cache start-up lock of .*, held by (.+?) since", log)
+        for name, log in logs.items()
+    }
+    second = [name for name, found in waited.items() if found]
+    assert len(second) == 1, waited
+    other = "a" if second[0] == "b" else "b"
+    assert all(re.fullmatch(rf"{re.escape(hosts[other])} pid \d+", label) for label in waited[second[0]]), waited
+    # ... and its ledger line names the first as well.
+    joined = re.findall(r"KV cache autoscale on: .*others hold \S+ \(([^)]*)\)", logs[second[0]])
+    assert len(joined) == 1 and re.fullmatch(rf"{re.escape(hosts[other])} pid \d+", joined[0]), joined
+    windows = []
+    for name, log in logs.items():
+        acquired = re.findall(r"start-up lock acquired .*acquired at (\d+\.\d+)", log)
+        released = re.findall(r"start-up lock released .*released at (\d+\.\d+)", log)
+        assert len(acquired) == len(released) == 1, (name, acquired, released)
+        windows.append((float(acquired[0]), float(released[0])))
+    windows.sort()
+    assert windows[0][1] <= windows[1][0], windows
+
+
+def test_killed_instance_gives_its_share_back(pair: dict[str, Any]) -> None:
+    a = pair["servers"]["a"][0]
+    floor = status(a)["autoscale"]["floor_bytes"]
+    base_b, log_b = pair["servers"]["b"]
+    assert "KV cache autoscale on" in log_b.read_text()
+    pgid = _server_pgid(base_b)
+    os.killpg(pgid, signal.SIGKILL)
+    wait_for(lambda: _gone(pgid), "B's processes to go", 60)
+    with load(a) as on_a:
+        # With B alive at its floor, A could hold at most the budget less B's floor.
+        wait_for(lambda: status(a)["kv_cache_limit_bytes"] > BUDGET - floor, "A to grow into B's share after B died")
+    assert not on_a.failures, on_a.failures[:3]
+    others = status(a)["autoscale"]["others"]
+    assert others == [], others
+    assert len(list(pair["locks"].glob("budget-*/*.entry"))) == 1
+
+
+def _server_pgid(base: str) -> int:
+    port = base.rsplit(":", 1)[1]
+    for line in subprocess.run(["ps", "-eo", "pid,pgid,args"], capture_output=True, text=True).stdout.splitlines():
+        fields = line.split(None, 2)
+        if len(fields) == 3 and f"--port {port}" in fields[2] and "unshare" in fields[2]:
+            return int(fields[1])
+    raise AssertionError(f"no unshare process serving port {port}")
+
+
+def _gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
