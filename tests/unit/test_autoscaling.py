@@ -1,0 +1,176 @@
+"""The engine core's autoscaler (``resizing.autoscaling``) without an engine:
+stand-in schedulers and block pools, real ledger files. Two autoscalers
+share one budget: one grows into it, gives back when the other needs
+blocks, does not take it again at once, and the holds never add up to more
+than the budget; joining refuses a different budget and a budget below the
+floors, quoting them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_kv_cache_limit.autoscale import Policy, Scaler  # noqa: E402
+from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError  # noqa: E402
+from vllm_kv_cache_limit.resize import Allocation  # noqa: E402
+from vllm_kv_cache_limit.resizing import autoscaling  # noqa: E402
+
+BPB = 1024
+"""Bytes per block of the stand-in KV cache."""
+BLOCKS = 400
+BLOCK_SIZE = 16
+DEVICES = [("cpu-node0", "host memory node 0")]
+
+
+@dataclass
+class Request:
+    num_tokens: int
+
+
+@dataclass
+class Engine:
+    """A stand-in engine core: its scheduler's requests and the limit on its pool."""
+
+    requests: dict[str, Request] = field(default_factory=dict)
+    limit: int = BLOCKS
+    withheld: set[int] = field(default_factory=set)
+    calls: list[int] = field(default_factory=list)
+
+    @property
+    def scheduler(self) -> Engine:
+        return self
+
+    def demand(self, blocks: int) -> None:
+        """Requests that hold and need ``blocks`` blocks in all."""
+        self.requests = {str(i): Request(BLOCK_SIZE - 1) for i in range(blocks)}
+
+    in_use_up_to: int = 0
+    """Blocks below this stay in use (a drain above the limit waits for them)."""
+
+    def set_limit(self, engine: Any, nbytes: int, mode: str) -> dict[str, Any]:
+        assert engine is self and mode == "drain"
+        self.limit = nbytes // BPB
+        self.calls.append(self.limit)
+        self.settle()
+        return {"kv_cache_limit_bytes": nbytes}
+
+    def settle(self) -> None:
+        """Withhold the free blocks above the limit (the drain holds once
+        none above it is in use)."""
+        self.withheld = set(range(max(self.limit, self.in_use_up_to), BLOCKS))
+
+
+def autoscaler(engine: Engine, budget: int, floor: int = 20) -> autoscaling.Autoscaler:
+    allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=BPB, blocks_per_request=8, max_model_len=128)
+    return autoscaling.Autoscaler(
+        allocation=allocation,
+        scaler=Scaler(Policy(floor, allocation.blocks_per_request, shrink_after_s=1000.0)),
+        ceiling=BLOCKS,
+        set_limit=engine.set_limit,
+        group_caps=[(BLOCK_SIZE, 8)],
+        max_model_len=128,
+        budget=budget,
+    )
+
+
+def started(engine: Engine, scaler: autoscaling.Autoscaler, folder: Path) -> autoscaling.Autoscaler:
+    autoscaling.join(scaler, DEVICES, str(folder))
+    engine.set_limit(engine, scaler.floor * BPB, "drain")
+    scaler.held = scaler.floor
+    return scaler
+
+
+@pytest.fixture
+def pair(tmp_path: Path):
+    budget = 300 * BPB
+    a, b = Engine(), Engine()
+    sa = started(a, autoscaler(a, budget), tmp_path)
+    sb = started(b, autoscaler(b, budget), tmp_path)
+    yield a, sa, b, sb, budget
+    sa.close()
+    sb.close()
+
+
+def tick(engine: Engine, scaler: autoscaling.Autoscaler, now: float) -> None:
+    scaler.tick(engine, engine, now)
+
+
+def test_one_grows_into_the_budget_and_gives_back_when_the_other_needs_it(pair) -> None:
+    a, sa, b, sb, budget = pair
+    now = 100.0
+    a.demand(250)
+    tick(a, sa, now)
+    # A takes what its demand asks, at most the budget less B's floor.
+    assert a.limit == budget // BPB - sb.floor
+    assert (sa.held + sb.held) * BPB <= budget
+    # B needs blocks; A, now idle, gives back (its hysteresis is 1000 s).
+    a.demand(0)
+    b.demand(250)
+    tick(b, sb, now + 1)
+    assert b.limit == sb.floor  # nothing free yet
+    tick(a, sa, now + 1)
+    assert a.limit == sa.floor
+    # A's entry holds its old limit until its drain holds (its next decision).
+    assert sa.held > sa.floor
+    tick(a, sa, now + 2)
+    assert sa.held == sa.floor
+    tick(b, sb, now + 2)
+    assert b.limit == budget // BPB - sa.floor
+    assert (sa.held + sb.held) * BPB <= budget
+
+
+def test_under_contention_the_budget_is_split_and_nobody_takes_it_back_at_once(pair) -> None:
+    a, sa, b, sb, budget = pair
+    now = 100.0
+    a.demand(250)
+    tick(a, sa, now)
+    # A's requests hold its blocks: a lowered limit drains only as they finish.
+    a.in_use_up_to = a.limit
+    b.demand(250)
+    for step in range(1, 40):
+        if step == 20:
+            a.in_use_up_to = 0  # they finished
+            a.settle()
+        tick(b, sb, now + step)
+        tick(a, sa, now + step)
+        assert (sa.held + sb.held) * BPB <= budget, step
+        if step < 20:  # while A drains, B waits and A does not take back what it gave
+            assert b.limit == sb.floor and a.calls[1:] == sorted(a.calls[1:], reverse=True), (step, a.calls)
+    # Equal demand: about half each, and the limits settled (no give-back and grow-back each tick).
+    assert abs(a.limit - b.limit) <= 2, (a.limit, b.limit)
+    assert a.limit + b.limit <= budget // BPB
+    settled = len(a.calls), len(b.calls)
+    for step in range(40, 50):
+        tick(b, sb, now + step)
+        tick(a, sa, now + step)
+    assert (len(a.calls), len(b.calls)) == settled, (a.calls[-6:], b.calls[-6:])
+
+
+def test_a_different_budget_is_refused_quoting_both(pair, tmp_path: Path) -> None:
+    c = Engine()
+    with pytest.raises(KVCacheMaxMemoryError) as refused:
+        autoscaling.join(autoscaler(c, 200 * BPB), DEVICES, str(tmp_path))
+    message = str(refused.value)
+    assert "--kv-cache-shared-budget 200KiB (204800 bytes) differs from the 300KiB (307200 bytes)" in message
+    assert "must give the same budget" in message
+
+
+def test_a_budget_below_the_floors_is_refused_quoting_them(tmp_path: Path) -> None:
+    a = Engine()
+    sa = started(a, autoscaler(a, 50 * BPB, floor=30), tmp_path)
+    try:
+        b = Engine()
+        with pytest.raises(KVCacheMaxMemoryError) as refused:
+            autoscaling.join(autoscaler(b, 50 * BPB, floor=30), DEVICES, str(tmp_path))
+        message = str(refused.value)
+        assert "--kv-cache-shared-budget 50KiB (51200 bytes) is below the floors" in message
+        assert "this one's 30KiB" in message and "at least 60KiB (61440 bytes)" in message
+    finally:
+        sa.close()
+    # The refused instance left no entry behind.
+    assert len(list(tmp_path.glob("budget-*/*.entry"))) == 0
