@@ -178,8 +178,8 @@ class Sampler:
         self.thread.join(timeout=120)
 
 
-def load(base: str) -> CompletionLoad:
-    return CompletionLoad(base, CLIENTS, PROMPT, MAX_TOKENS)
+def load(base: str, clients: int = CLIENTS) -> CompletionLoad:
+    return CompletionLoad(base, clients, PROMPT, MAX_TOKENS)
 
 
 def wait_for(condition: Any, what: str, timeout: float = BOUND_S) -> None:
@@ -291,7 +291,8 @@ def test_killed_instance_gives_its_share_back(pair: dict[str, Any]) -> None:
     pgid = _server_pgid(base_b)
     os.killpg(pgid, signal.SIGKILL)
     wait_for(lambda: _gone(pgid), "B's processes to go", 60)
-    with load(a) as on_a:
+    # More clients than the budget holds: A wants all of it.
+    with load(a, 2 * CLIENTS) as on_a:
         # With B alive at its floor, A could hold at most the budget less B's floor.
         wait_for(lambda: status(a)["kv_cache_limit_bytes"] > BUDGET - floor, "A to grow into B's share after B died")
     assert not on_a.failures, on_a.failures[:3]
@@ -312,8 +313,12 @@ def _server_pgid(base: str) -> int:
 
 
 def _gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    """Whether no live process is left in the group (the ``unshare``
+    process stays a zombie until the fixture reaps it)."""
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return False
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return True

@@ -1,0 +1,43 @@
+"""Autoscaling through the Python API on a real CPU engine:
+``LLM(model, kv_cache_max_memory=..., kv_cache_autoscale=True)`` with no
+extra import starts at its floor and grows for a batch that needs more;
+a floor that cannot hold one request fails at start-up, quoted."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.e2e.conftest import cap_error
+
+pytestmark = pytest.mark.plugin_only  # autoscaling is the plugin's
+
+PROMPT = "the quick brown fox jumps over the lazy dog " * 40
+"""About 360 tokens: 3 blocks of 128 tokens a request."""
+
+
+def test_llm_autoscaled_starts_at_its_floor_and_grows_for_a_batch(probe) -> None:
+    prompts = [f"{i} {PROMPT}" for i in range(12)]
+    result, log = probe(kv_cache_max_memory="16M", kv_cache_autoscale=True, prompts=prompts, max_tokens=16)
+    assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{log[-3000:]}"
+    assert result["kv_cache_bytes"] == [16 * 2**20]  # allocated at start-up: the most it can grow to
+    started = re.search(r"KV cache autoscale on: limit \S+ per worker \(the floor, (\d+) of (\d+) blocks\)", log)
+    assert started, log[-3000:]
+    floor, allocated = int(started[1]), int(started[2])
+    # max_model_len 512 needs 4 blocks of 128 tokens, plus vLLM's null block.
+    assert floor == 5 and allocated == result["num_gpu_blocks"]
+    grown = [
+        int(m[1]) for m in re.finditer(r"KV cache autoscale: limit \S+ -> \S+ per worker \(\d+ -> (\d+) blocks", log)
+    ]
+    # 12 requests of 3 blocks do not fit in the floor: the limit grew, and every request finished.
+    assert grown and max(grown) > 12 * 3, grown
+    assert len(result["texts"]) == len(prompts) and all(result["texts"])
+
+
+def test_floor_that_cannot_hold_one_request_fails_at_startup_quoted(probe) -> None:
+    result, log = probe(kv_cache_max_memory="16M", kv_cache_autoscale=True, kv_cache_min_memory="300K")
+    message = cap_error(result, log)
+    assert "--kv-cache-min-memory 300KiB is refused" in message, message
+    assert "one request of max_model_len 512 needs 4 blocks" in message, message
+    assert re.search(r"Choose a size of at least \S+ \(\d+ bytes\)", message), message
