@@ -67,7 +67,6 @@ import re
 import signal
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -76,7 +75,7 @@ from typing import Any
 import _common as c
 import requests
 
-from tests.helpers import CompletionLoad, Server, api_servers
+from tests.helpers import CompletionLoad, Periodic, Server, api_servers, ledger_holds
 
 ROUTE = "/kv_cache/max_memory"
 WORDS = "the quick brown fox jumps over the lazy dog "
@@ -241,16 +240,9 @@ def steady_footprint(server: Server, readings: int = 3) -> dict[str, Any]:
     return merged
 
 
-def ledger_holds(locks: Path) -> int | None:
-    """The sum of the holds in the lock folder's budget ledger, read as an
-    outside reader (no lock: each record is rewritten whole)."""
-    holds = []
-    for entry in sorted(locks.glob("budget-*/*.entry")):
-        try:
-            holds.append(int(json.loads(entry.read_text())["holds"]))
-        except (OSError, ValueError, KeyError):
-            continue
-    return sum(holds) if holds else None
+def ledger_sum(locks: Path) -> int | None:
+    """The sum of the holds in the lock folder's budget ledger (None: no entry)."""
+    return sum(ledger_holds(locks)) or None
 
 
 # ---------------------------------------------------------------------------
@@ -316,7 +308,7 @@ class StreamingLoad(CompletionLoad):
                     self.tokens += self.max_tokens
 
 
-class Sampler:
+class Sampler(Periodic):
     """Samples the servers' limits and metrics every ``period`` seconds in a
     thread, one row per server and tick. In each pair ``(a, b)`` the first
     server's limit is read again after the second's and the smaller reading
@@ -331,30 +323,22 @@ class Sampler:
         pairs: tuple[tuple[str, str], ...] = (),
         locks: Path | None = None,
     ) -> None:
+        super().__init__(period)
         self.measurement = measurement
         self.servers = servers
-        self.period = period
         self.pairs = pairs
         self.locks = locks
         self.rows: list[dict[str, Any]] = []
-        self.errors: list[str] = []
         self.t0 = time.monotonic()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.last: dict[str, tuple[float, float]] = {}
+        self.ticks = 0
 
     def rel(self, moment: float) -> float:
         return round(moment - self.t0, 3)
 
-    def _run(self) -> None:
-        last: dict[str, tuple[float, float]] = {}
-        tick = 0
-        while not self.stop.is_set():
-            try:
-                self._tick(tick, last)
-            except Exception as exc:  # a slow or busy server: the next tick tries again
-                self.errors.append(repr(exc))
-            tick += 1
-            self.stop.wait(self.period)
+    def sample(self) -> None:
+        self._tick(self.ticks, self.last)
+        self.ticks += 1
 
     def _tick(self, tick: int, last: dict[str, tuple[float, float]]) -> None:
         rows: dict[str, dict[str, Any]] = {}
@@ -383,21 +367,13 @@ class Sampler:
                     row["tokens_per_s"] = (tokens - before) / (now - then) if now > then else None
                 last[name] = (now, tokens)
             rows[name] = row
-        holds = ledger_holds(self.locks) if self.locks is not None else None
+        holds = ledger_sum(self.locks) if self.locks is not None else None
         for first, second in self.pairs:
             again = status(self.servers[first].base)["kv_cache_limit_bytes"]
             rows[first]["limit_bytes"] = min(rows[first]["limit_bytes"], again)
             for name in (first, second):
                 rows[name]["ledger_holds_bytes"] = holds
         self.rows.extend(rows.values())
-
-    def __enter__(self) -> Sampler:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=120)
 
     def window(self, name: str, start: float, end: float) -> list[dict[str, Any]]:
         """This server's rows between two times relative to ``t0``."""

@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from vllm_kv_cache_limit.kv_cache import kv_cache_storages, rss_bytes, worker_kv_cache_bytes
 
@@ -387,6 +387,52 @@ class CompletionLoad:
         self.stop.set()
         for thread in self.threads:
             thread.join(timeout=600)
+
+
+class Periodic:
+    """Calls ``sample()`` every ``period`` seconds in a daemon thread while
+    entered (``with``); an exception is recorded in ``errors`` (a busy server
+    that answered late) and the next call tries again."""
+
+    def __init__(self, period: float) -> None:
+        import threading
+
+        self.period = period
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.sample()
+            except Exception as exc:
+                self.errors.append(repr(exc))
+            self.stop.wait(self.period)
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=120)
+
+
+def ledger_holds(locks: Path) -> list[int]:
+    """The holds in every budget ledger of the lock folder ``locks``, read as
+    an outside reader, without the ledger's lock: a record is rewritten whole,
+    and one caught mid-write is left out."""
+    holds = []
+    for entry in sorted(locks.glob("budget-*/*.entry")):
+        try:
+            holds.append(int(json.loads(entry.read_text())["holds"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return holds
 
 
 def metric(base: str, name: str) -> float:

@@ -191,16 +191,13 @@ def check_settings(cap: int | None, enabled: bool, min_memory: int | None, share
 
 def shrink_after_s(environ: Mapping[str, str] | None = None) -> float:
     """``VLLM_KV_CACHE_LIMIT_SHRINK_AFTER_S``: the hysteresis, in seconds."""
-    raw = (environ if environ is not None else os.environ).get(envs.SHRINK_AFTER_S)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_SHRINK_AFTER_S
     try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise KVCacheMaxMemoryError(
-            f"{envs.SHRINK_AFTER_S}={raw!r} is not a number of seconds; use for example "
-            f"{envs.SHRINK_AFTER_S}=30 (how long the demand must stay below the limit before it shrinks)."
+        return envs.seconds(
+            envs.SHRINK_AFTER_S,
+            DEFAULT_SHRINK_AFTER_S,
+            "30",
+            "how long the demand must stay below the limit before it shrinks",
+            os.environ if environ is None else environ,
         )
-    return value
+    except ValueError as exc:
+        raise KVCacheMaxMemoryError(str(exc)) from None

@@ -60,3 +60,21 @@ def register_with_vllm(
             environment_variables[name] = _reader(name)
             added.append(name)
     return added
+
+
+def seconds(
+    name: str, default: float, example: str, meaning: str, environ: Mapping[str, str] = os.environ, finite: bool = True
+) -> float:
+    """A number of seconds, zero or more, from variable ``name`` (``default``
+    when unset or empty); ``ValueError`` quoting a bad value, with an
+    ``example`` of a good one and what it means."""
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (0 <= value < float("inf") if finite else value >= 0):
+        raise ValueError(f"{name}={raw!r} is not a number of seconds; use for example {name}={example} ({meaning}).")
+    return value

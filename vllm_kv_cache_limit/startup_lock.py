@@ -62,19 +62,7 @@ def lock_dir(environ: dict[str, str] | os._Environ = os.environ) -> str:
 
 def lock_timeout(environ: dict[str, str] | os._Environ = os.environ) -> float:
     """Seconds to wait for one device's lock; ``ValueError`` quoting a bad value."""
-    raw = environ.get(LOCK_TIMEOUT_ENV)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ValueError(
-            f"{LOCK_TIMEOUT_ENV}={raw!r} is not a number of seconds; use for "
-            f"example {LOCK_TIMEOUT_ENV}=600 (0: do not wait)."
-        )
-    return value
+    return envs.seconds(LOCK_TIMEOUT_ENV, DEFAULT_TIMEOUT_S, "600", "0: do not wait", environ, finite=False)
 
 
 def lock_name(key: str) -> str:

@@ -10,14 +10,12 @@ into it. Bad values fail at start-up, quoted."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +26,7 @@ import pytest
 import requests
 
 from tests.e2e.conftest import api_servers, engine_env, server_args
-from tests.helpers import CompletionLoad
+from tests.helpers import CompletionLoad, Periodic, ledger_holds
 
 pytestmark = pytest.mark.plugin_only  # autoscaling is the plugin's
 
@@ -122,60 +120,33 @@ def status(base: str) -> dict[str, Any]:
     return reply.json()
 
 
-def ledger_holds(locks: Path) -> list[int]:
-    """The holds in the device's ledger, read as an outside reader (no lock:
-    a record is rewritten whole, and this only sums what it can parse)."""
-    holds = []
-    for entry in sorted(locks.glob("budget-*/*.entry")):
-        try:
-            holds.append(int(json.loads(entry.read_text())["holds"]))
-        except (OSError, ValueError, KeyError):
-            continue
-    return holds
-
-
 def worker_rpc(base: str, method: str) -> list[int]:
     reply = requests.post(base + "/collective_rpc", json={"method": method}, timeout=60)
     assert reply.status_code == 200, reply.text
     return [int(r) for r in reply.json()["results"]]
 
 
-class Sampler:
+class Sampler(Periodic):
     """Samples both servers' limits every half second in a thread: A, B,
     then A again, so that for each sample ``min(A before, A after) + B``
     is at most what both held at the instant B was read."""
 
     def __init__(self, a: str, b: str, locks: Path) -> None:
+        super().__init__(0.5)
         self.a, self.b, self.locks = a, b, locks
         self.samples: list[dict[str, Any]] = []
-        self.errors: list[str] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
 
-    def run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                a1, b, a2 = status(self.a), status(self.b), status(self.a)
-                self.samples.append(
-                    {
-                        "t": time.monotonic(),
-                        "a": min(a1["kv_cache_limit_bytes"], a2["kv_cache_limit_bytes"]),
-                        "b": b["kv_cache_limit_bytes"],
-                        "a_max": max(a1["kv_cache_limit_bytes"], a2["kv_cache_limit_bytes"]),
-                        "ledger": sum(ledger_holds(self.locks)),
-                    }
-                )
-            except Exception as exc:
-                self.errors.append(repr(exc))
-            self.stop.wait(0.5)
-
-    def __enter__(self) -> Sampler:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=120)
+    def sample(self) -> None:
+        a1, b, a2 = status(self.a), status(self.b), status(self.a)
+        self.samples.append(
+            {
+                "t": time.monotonic(),
+                "a": min(a1["kv_cache_limit_bytes"], a2["kv_cache_limit_bytes"]),
+                "b": b["kv_cache_limit_bytes"],
+                "a_max": max(a1["kv_cache_limit_bytes"], a2["kv_cache_limit_bytes"]),
+                "ledger": sum(ledger_holds(self.locks)),
+            }
+        )
 
 
 def load(base: str, clients: int = CLIENTS) -> CompletionLoad:

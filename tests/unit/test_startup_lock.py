@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -48,7 +49,7 @@ def test_second_process_waits_for_the_holder_and_names_it(tmp_path: Path, caplog
         held.release()
     holder.wait(timeout=30)
     assert 0.5 < waited < 30
-    assert f"held by pid {holder.pid}" in caplog.text
+    assert f"held by {socket.gethostname()} pid {holder.pid} since" in caplog.text
     assert "Waiting for the KV cache start-up lock of host memory node 0" in caplog.text
     assert "acquired for host memory node 0 after waiting" in caplog.text
     assert "released for host memory node 0" in caplog.text
