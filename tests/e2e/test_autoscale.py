@@ -5,11 +5,14 @@ explicitly), both autoscaled under one budget. Load on A only, then B only,
 then both: at every sample their limits add up to at most the budget, no
 request fails, A's limit rises while B idles and falls back when B needs
 blocks; an idle server falls to its floor and its worker's RSS falls by the
-bytes released; killed with SIGKILL, B gives its share back and A grows
-into it. Bad values fail at start-up, quoted."""
+bytes released, and ``vllm:kv_cache_limit_bytes`` follows the limit; a
+manual resize sets the ceiling the autoscaler stays under (and is refused
+below the floor); killed with SIGKILL, B gives its share back and A grows
+into it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -26,7 +29,8 @@ import pytest
 import requests
 
 from tests.e2e.conftest import api_servers, engine_env, server_args
-from tests.helpers import CompletionLoad, Periodic, ledger_holds
+from tests.helpers import CompletionLoad, Periodic, ledger_holds, metric
+from vllm_kv_cache_limit.sizes import format_size
 
 pytestmark = pytest.mark.plugin_only  # autoscaling is the plugin's
 
@@ -43,6 +47,8 @@ so 24 clients ask for about 288 blocks (36 MiB) of KV cache, more than half
 the budget."""
 MAX_TOKENS = 100
 HOST_B = "container-b"
+ROUTE = "/kv_cache/max_memory"
+LIMIT_METRIC = "vllm:kv_cache_limit_bytes"
 RELEASED_RE = re.compile(r"KV cache pages of blocks \d+-\d+ released: RSS fell by (\d+) bytes")
 BOUND_S = 240
 """What a change of phase may take on the 2-core test machine."""
@@ -109,13 +115,14 @@ def pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         half = len(cores) // 2
         env_a["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[:half]))
         env_b["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[half:]))
-    specs = {"a": (args, env_a), "b": (args, env_b, container(HOST_B, tmp_b))}
+    # A also serves POST: a manual resize while autoscaling sets the ceiling.
+    specs = {"a": ([*args, "--enable-kv-cache-resize"], env_a), "b": (args, env_b, container(HOST_B, tmp_b))}
     with api_servers(specs, folder) as running:
         yield {"servers": running, "locks": locks, "tmp_b": tmp_b}
 
 
 def status(base: str) -> dict[str, Any]:
-    reply = requests.get(base + "/kv_cache/max_memory", timeout=180)
+    reply = requests.get(base + ROUTE, timeout=180)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -178,17 +185,20 @@ def test_two_autoscaled_servers_share_one_budget(pair: dict[str, Any]) -> None:
 
     runs: list[CompletionLoad] = []
     with Sampler(a, b, pair["locks"]) as sampler:
-        # A only: A grows past half the budget while B idles at its floor.
-        with load(a) as on_a:
-            runs.append(on_a)
-            wait_for(lambda: status(a)["kv_cache_limit_bytes"] > BUDGET // 2, "A to grow past half the budget")
-            assert status(b)["kv_cache_limit_bytes"] == floor
-        peak_a = status(a)["kv_cache_limit_bytes"]
-        # B only, at once: B needs blocks, and A, idle, gives its share back
-        # before its own hysteresis would have lowered it.
-        given_back = log_a.read_text().count("another instance needs the shared budget")
-        with load(b) as on_b:
-            runs.append(on_b)
+        with contextlib.ExitStack() as on_b_stack:
+            # A only: A grows past half the budget while B idles at its floor.
+            with load(a) as on_a:
+                runs.append(on_a)
+                wait_for(lambda: status(a)["kv_cache_limit_bytes"] > BUDGET // 2, "A to grow past half the budget")
+                assert status(b)["kv_cache_limit_bytes"] == floor
+                peak_a = status(a)["kv_cache_limit_bytes"]
+                # The metric follows the autoscaled limit (refreshed at each scrape).
+                wait_for(lambda: metric(a, LIMIT_METRIC) == status(a)["kv_cache_limit_bytes"], "the metric", 60)
+                assert metric(a, LIMIT_METRIC) > BUDGET // 2
+                # Then B: it needs blocks while A holds most of the budget (so
+                # A's own hysteresis cannot be what lowers it), and A stops.
+                given_back = log_a.read_text().count("another instance needs the shared budget")
+                runs.append(on_b_stack.enter_context(load(b)))
             wait_for(lambda: status(b)["kv_cache_limit_bytes"] > BUDGET // 2, "B to grow past half the budget")
             assert status(a)["kv_cache_limit_bytes"] < peak_a
             assert log_a.read_text().count("another instance needs the shared budget") > given_back
@@ -209,6 +219,7 @@ def test_two_autoscaled_servers_share_one_budget(pair: dict[str, Any]) -> None:
     assert resident_a - floor > 4 * MiB, (resident_a, floor)  # premise: A's load made pages resident
     assert fell >= 0.9 * (resident_a - floor - 2 * bpb), (fell, resident_a, floor)
     assert max(worker_rpc(a, "kv_cache_resident_bytes")) <= floor + 2 * bpb
+    assert metric(a, LIMIT_METRIC) == floor
     # The first burst after idling grows A back, with no failed request.
     with load(a) as on_a:
         runs.append(on_a)
@@ -223,6 +234,30 @@ def test_two_autoscaled_servers_share_one_budget(pair: dict[str, Any]) -> None:
     failures = [f for run in runs for f in run.failures]
     assert not failures, failures[:3]
     assert all(run.completed > 0 for run in runs), [run.completed for run in runs]
+
+
+def test_manual_resize_sets_the_ceiling_the_autoscaler_stays_under(pair: dict[str, Any]) -> None:
+    a = pair["servers"]["a"][0]
+    before = status(a)
+    floor, bpb = before["autoscale"]["floor_bytes"], before["bytes_per_block"]
+    ceiling = 8 * MiB
+    reply = requests.post(a + ROUTE, json={"size": "8M"}, timeout=180)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["autoscale"]["ceiling_bytes"] == ceiling
+    seen = []
+    with load(a) as on_a:
+        # The demand is far above 8M: the limit rises to the ceiling and no further.
+        wait_for(lambda: seen.append(status(a)["kv_cache_limit_bytes"]) or seen[-1] == ceiling, "A at its ceiling")
+        for _ in range(20):
+            seen.append(status(a)["kv_cache_limit_bytes"])
+            time.sleep(0.5)
+    assert max(seen) == ceiling and not on_a.failures, (seen, on_a.failures[:3])
+    refused = requests.post(a + ROUTE, json={"size": "1M"}, timeout=180)
+    assert refused.status_code == 400 and "below the floor" in refused.text, refused.text
+    assert f"at least {format_size(floor)}" in refused.text, refused.text
+    back = requests.post(a + ROUTE, json={"size": f"{CAP // MiB}M"}, timeout=180)
+    assert back.status_code == 200 and back.json()["autoscale"]["ceiling_bytes"] == CAP, back.text
+    assert ceiling % bpb == 0 and before["autoscale"]["ceiling_bytes"] == CAP
 
 
 def test_container_instance_shares_the_lock_and_the_ledger(pair: dict[str, Any]) -> None:

@@ -47,15 +47,22 @@ def hook_source_files(installed_root: Path) -> set[Path]:
     HOOKS, PLANNER_APIS and RESIZE_HOOKS and the modules that define what those re-export;
     and the modules of the classes in ATTRIBUTES and RESIZE_ATTRIBUTES."""
     files = set()
+
+    def module_file(module_name: str) -> Path:
+        # A module's file, or a package's __init__.py (vllm.v1.engine).
+        path = installed_root.joinpath(*module_name.split(".")).with_suffix(".py")
+        package = installed_root.joinpath(*module_name.split("."), "__init__.py")
+        return package if not path.is_file() and package.is_file() else path
+
     for hook in (*compat.HOOKS, *compat.PLANNER_APIS, *compat.RESIZE_HOOKS):
         for module_name in hook.modules:
-            path = installed_root.joinpath(*module_name.split(".")).with_suffix(".py")
+            path = module_file(module_name)
             if path.is_file():
                 files.add(path)
-        files.add(installed_root.joinpath(*defining_module(hook.qualname).split(".")).with_suffix(".py"))
+        files.add(module_file(defining_module(hook.qualname)))
     for attribute in (*compat.ATTRIBUTES, *compat.RESIZE_ATTRIBUTES):
         for module_name in attribute.modules:
-            path = installed_root.joinpath(*module_name.split(".")).with_suffix(".py")
+            path = module_file(module_name)
             if path.is_file() and module_name.startswith("vllm."):
                 files.add(path)
     return files
