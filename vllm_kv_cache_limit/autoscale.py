@@ -3,12 +3,13 @@
 With ``--kv-cache-autoscale`` the engine core moves its own run-time limit
 (``resize``) between a floor and a ceiling (the start-up allocation, or
 the last manual resize) as its demand changes. Demand is counted in
-blocks: what every unfinished request holds and needs for its next token,
-an upper bound (blocks shared through the prefix cache are counted once per
-request). The rules:
+blocks: what every unfinished request will hold when it finishes (its
+prompt and ``max_tokens``), an upper bound (blocks shared through the
+prefix cache are counted once per request). The rules:
 
 - **Grow at once** when the demand is more than the usable blocks under
-  the limit (requests wait for blocks), to the demand plus headroom.
+  the limit (the requests need more blocks than it), to the demand plus
+  headroom: as requests arrive, before any waits for a block.
 - **Shrink in drain mode**, never by preempting, when the demand plus
   headroom has stayed below the limit for ``shrink_after_s`` seconds
   (hysteresis: a burst that pauses for less keeps its blocks), down to the
@@ -69,15 +70,17 @@ class Scaler:
 
     policy: Policy
     below_since: float | None = None
+    target: int = 0
+    """The target of the last decision."""
 
     def decide(self, now: float, demand: int, limit: int, ceiling: int) -> int | None:
         """The new limit for ``demand`` blocks at time ``now`` (None: keep
         ``limit``). A limit above the ceiling falls to it at once."""
-        target = self.policy.target(demand, ceiling)
+        target = self.target = self.policy.target(demand, ceiling)
         if limit > ceiling:
             self.below_since = None
             return ceiling
-        if demand + NULL_BLOCKS > limit:  # requests wait for blocks
+        if demand + NULL_BLOCKS > limit:  # the requests need more blocks than the limit
             self.below_since = None
             return target if target > limit else None
         if target >= limit:

@@ -30,6 +30,8 @@ DEVICES = [("cpu-node0", "host memory node 0")]
 @dataclass
 class Request:
     num_tokens: int
+    num_prompt_tokens: int = 0
+    max_tokens: int = 1
 
 
 @dataclass
@@ -47,7 +49,7 @@ class Engine:
 
     def demand(self, blocks: int) -> None:
         """Requests that hold and need ``blocks`` blocks in all."""
-        self.requests = {str(i): Request(BLOCK_SIZE - 1) for i in range(blocks)}
+        self.requests = {str(i): Request(BLOCK_SIZE - 1, BLOCK_SIZE - 1, 1) for i in range(blocks)}
 
     in_use_up_to: int = 0
     """Blocks below this stay in use (a drain above the limit waits for them)."""
@@ -65,7 +67,7 @@ class Engine:
         self.withheld = set(range(max(self.limit, self.in_use_up_to), BLOCKS))
 
 
-def autoscaler(engine: Engine, budget: int, floor: int = 20) -> autoscaling.Autoscaler:
+def autoscaler(engine: Engine, budget: int | None, floor: int = 20) -> autoscaling.Autoscaler:
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=BPB, blocks_per_request=8, max_model_len=128)
     return autoscaling.Autoscaler(
         allocation=allocation,
@@ -98,6 +100,55 @@ def pair(tmp_path: Path):
 
 def tick(engine: Engine, scaler: autoscaling.Autoscaler, now: float) -> None:
     scaler.tick(engine, engine, now)
+
+
+def test_demand_counts_each_request_to_its_max_tokens_within_max_model_len() -> None:
+    engine = Engine()
+    scaler = autoscaler(engine, None)
+    engine.requests = {
+        "new": Request(num_tokens=10, num_prompt_tokens=10, max_tokens=100),  # 110 tokens: 7 blocks
+        "resumed": Request(num_tokens=50, num_prompt_tokens=10, max_tokens=20),  # past max_tokens: 51, 4 blocks
+        "long": Request(num_tokens=100, num_prompt_tokens=100, max_tokens=1000),  # max_model_len 128: 8 blocks
+    }
+    assert scaler.read_demand(engine) == 7 + 4 + 8
+
+
+def test_a_grow_is_decided_at_once_and_anything_else_at_most_every_tick() -> None:
+    engine = Engine()
+    scaler = autoscaler(engine, None)
+    scaler.scaler = Scaler(Policy(20, 8, shrink_after_s=0.0))
+    engine.set_limit(engine, 20 * BPB, "drain")
+    tick(engine, scaler, 100.0)
+    # Three requests arrive 10 ms later: their blocks do not fit, the limit grows before the next tick is due.
+    engine.requests = {str(i): Request(num_tokens=5, num_prompt_tokens=5, max_tokens=500) for i in range(3)}
+    tick(engine, scaler, 100.01)
+    assert engine.limit == 24 + 8 + 1, engine.calls  # their 24 blocks, one request of headroom, the null block
+    # They finish: with no hysteresis the shrink comes at the next due ticks, not before.
+    engine.requests = {}
+    tick(engine, scaler, 100.02)
+    tick(engine, scaler, 100.03)
+    assert engine.limit == 33
+    tick(engine, scaler, 100.2)
+    tick(engine, scaler, 100.4)
+    assert engine.limit == 20, engine.calls
+
+
+def test_an_unchanged_entry_is_not_written_again(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_kv_cache_limit import budget as ledger
+
+    a, sa, b, sb, _ = pair
+    writes: list[dict[str, Any]] = []
+    original = ledger.View.write
+    monkeypatch.setattr(ledger.View, "write", lambda view, record: (writes.append(record), original(view, record)))
+    a.demand(50)
+    tick(a, sa, 100.0)
+    assert len(writes) == 1 and writes[0]["holds"] == a.limit * BPB
+    for step in range(1, 6):
+        tick(a, sa, 100.0 + step)
+    assert len(writes) == 1, writes
+    a.demand(150)
+    tick(a, sa, 107.0)
+    assert len(writes) == 2 and writes[1]["holds"] == a.limit * BPB
 
 
 def test_one_grows_into_the_budget_and_gives_back_when_the_other_needs_it(pair) -> None:

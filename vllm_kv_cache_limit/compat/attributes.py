@@ -242,6 +242,18 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         "`Autoscaler.read_demand`: every unfinished request (running or waiting), whose blocks make the demand",
     ),
     Attribute(("vllm.v1.request",), "Request", "num_tokens", "`Autoscaler.read_demand`: the tokens a request holds"),
+    Attribute(
+        ("vllm.v1.request",),
+        "Request",
+        "num_prompt_tokens",
+        "`Autoscaler.read_demand`: a request's prompt, with `max_tokens` what it will hold when it finishes",
+    ),
+    Attribute(
+        ("vllm.v1.request",),
+        "Request",
+        "max_tokens",
+        "`Autoscaler.read_demand`: the most tokens a request generates",
+    ),
     Attribute(_KV_CACHE_INTERFACE, "KVCacheSpec", "block_size", "`Autoscaler.read_demand`: tokens per block"),
     Attribute(
         ("vllm.v1.engine.core",),

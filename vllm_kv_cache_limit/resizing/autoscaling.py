@@ -67,38 +67,44 @@ class Autoscaler:
         return self.scaler.policy.floor
 
     def read_demand(self, scheduler: Any) -> int:
-        """Blocks every unfinished request holds and needs for its next
-        token, per KV cache group (an upper bound)."""
+        """Blocks every unfinished request holds and will need to finish
+        (its prompt and ``max_tokens``, at most ``max_model_len``), per KV
+        cache group: an upper bound, so that a burst's limit grows as its
+        requests arrive, not once they wait for blocks."""
         total = 0
         for request in scheduler.requests.values():
-            tokens = min(request.num_tokens + 1, self.max_model_len)
+            tokens = min(
+                self.max_model_len, max(request.num_tokens + 1, request.num_prompt_tokens + request.max_tokens)
+            )
             for block_size, most in self.group_caps:
                 total += min(most, -(-tokens // block_size))
         return total
 
     def tick(self, engine_core: Any, pool_limit: Any, now: float | None = None) -> None:
-        """One decision, at most every ``TICK_S``; never raises into vLLM."""
+        """One decision, at most every ``TICK_S`` unless the demand is
+        above the limit (a grow is decided at once); never raises into vLLM."""
         now = time.monotonic() if now is None else now
-        if now - self.last_tick < TICK_S:
-            return
-        self.last_tick = now
         try:
-            self._tick(engine_core, pool_limit, now)
+            demand = self.read_demand(engine_core.scheduler)
+            if now - self.last_tick < TICK_S and demand + resize.NULL_BLOCKS <= pool_limit.limit:
+                return
+            self.last_tick = now
+            self._tick(engine_core, pool_limit, now, demand)
         except Exception:
             logger.exception(
                 "KV cache autoscaling failed in this step; the limit stays at %d blocks.", pool_limit.limit
             )
 
-    def _tick(self, engine_core: Any, state: Any, now: float) -> None:
+    def _tick(self, engine_core: Any, state: Any, now: float, demand: int) -> None:
         limit = state.limit
-        self.demand = self.read_demand(engine_core.scheduler)
-        new = self.scaler.decide(now, self.demand, limit, self.ceiling)
-        self.target = self.scaler.policy.target(self.demand, self.ceiling)
+        self.demand = demand
+        new = self.scaler.decide(now, demand, limit, self.ceiling)
+        self.target = self.scaler.target
         drained = len(state.withheld) == self.allocation.num_blocks - limit
         if new is None:
             reason = ""
         elif new > limit:
-            reason = "requests wait for blocks"
+            reason = "requests need more blocks than the limit"
         elif limit > self.ceiling:
             reason = "above the ceiling"
         else:
@@ -172,6 +178,7 @@ class Autoscaler:
             yield [stack.enter_context(ledger.transaction()) for ledger in self.ledgers]
 
     def _write(self, views: list[View]) -> None:
+        """This instance's entry in every ledger, unless it is unchanged."""
         bpb = self.allocation.bytes_per_block
         record = {
             "budget": self.budget,
@@ -180,7 +187,8 @@ class Autoscaler:
             "wants": self.target * bpb,
         }
         for view in views:
-            view.write(record)
+            if view.ledger.record != record:
+                view.write(record)
 
     def status(self) -> dict[str, Any]:
         bpb = self.allocation.bytes_per_block
