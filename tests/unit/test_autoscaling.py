@@ -133,6 +133,27 @@ def test_a_grow_is_decided_at_once_and_anything_else_at_most_every_tick() -> Non
     assert engine.limit == 20, engine.calls
 
 
+def test_a_demand_held_above_the_ceiling_is_not_decided_again_before_the_tick() -> None:
+    engine = Engine()
+    scaler = autoscaler(engine, None)
+    scaler.ceiling = 30
+    engine.set_limit(engine, 20 * BPB, "drain")
+    decided: list[int] = []
+    original = scaler.scaler.decide
+    scaler.scaler.decide = lambda now, demand, *rest: (decided.append(demand), original(now, demand, *rest))[1]  # type: ignore[method-assign]
+    engine.requests = {str(i): Request(num_tokens=5, num_prompt_tokens=5, max_tokens=500) for i in range(8)}
+    tick(engine, scaler, 100.0)
+    assert engine.limit == 30 and decided == [64]
+    # Steps 10 ms apart with the same demand, above the ceiling: no decision until the tick is due.
+    for step in range(1, 9):
+        tick(engine, scaler, 100.0 + step / 100)
+    assert decided == [64], decided
+    # One more request raises the demand: decided at once.
+    engine.requests["new"] = Request(num_tokens=5, num_prompt_tokens=5, max_tokens=500)
+    tick(engine, scaler, 100.095)
+    assert decided == [64, 72], decided
+
+
 def test_an_unchanged_entry_is_not_written_again(pair, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_kv_cache_limit import budget as ledger
 

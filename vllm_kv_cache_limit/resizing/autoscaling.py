@@ -81,12 +81,15 @@ class Autoscaler:
         return total
 
     def tick(self, engine_core: Any, pool_limit: Any, now: float | None = None) -> None:
-        """One decision, at most every ``TICK_S`` unless the demand is
-        above the limit (a grow is decided at once); never raises into vLLM."""
+        """One decision, at most every ``TICK_S`` unless the demand rose
+        above the limit since the last one (a grow is decided at once; a
+        demand held above the ceiling or the budget does not decide every
+        step); never raises into vLLM."""
         now = time.monotonic() if now is None else now
         try:
             demand = self.read_demand(engine_core.scheduler)
-            if now - self.last_tick < TICK_S and demand + resize.NULL_BLOCKS <= pool_limit.limit:
+            rose = demand > self.demand and demand + resize.NULL_BLOCKS > pool_limit.limit
+            if now - self.last_tick < TICK_S and not rose:
                 return
             self.last_tick = now
             self._tick(engine_core, pool_limit, now, demand)
