@@ -56,7 +56,6 @@ class Autoscaler:
     """Blocks this instance's ledger entry holds (its limit, or while a
     lowered limit drains, the one it had)."""
     demand: int = 0
-    target: int = 0
     others: list[dict[str, Any]] = field(default_factory=list)
     last_tick: float = 0.0
     changes: int = 0
@@ -65,6 +64,11 @@ class Autoscaler:
     @property
     def floor(self) -> int:
         return self.scaler.policy.floor
+
+    @property
+    def target(self) -> int:
+        """The limit the last decision's demand asks for (the scaler's)."""
+        return self.scaler.target
 
     def read_demand(self, scheduler: Any) -> int:
         """Blocks every unfinished request holds and will need to finish
@@ -102,7 +106,6 @@ class Autoscaler:
         limit = state.limit
         self.demand = demand
         new = self.scaler.decide(now, demand, limit, self.ceiling)
-        self.target = self.scaler.target
         drained = len(state.withheld) == self.allocation.num_blocks - limit
         if new is None:
             reason = ""
@@ -250,7 +253,7 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
         scaler.close()
         raise KVCacheMaxMemoryError(f"--kv-cache-shared-budget: the ledger in {folder} cannot be used: {exc}") from None
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    scaler.target = scaler.floor
+    scaler.scaler.target = scaler.floor
     try:
         while True:
             with scaler.transaction() as views:
