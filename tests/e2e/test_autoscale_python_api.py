@@ -1,11 +1,13 @@
 """Autoscaling through the Python API on a real CPU engine:
 ``LLM(model, kv_cache_max_memory=..., kv_cache_autoscale=True)`` with no
-extra import starts at its floor and grows for a batch that needs more;
+extra import starts at its floor and grows for a batch that needs more,
+and leaves its shared budget's ledger as it exits;
 a floor that cannot hold one request fails at start-up, quoted."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -17,10 +19,24 @@ PROMPT = "the quick brown fox jumps over the lazy dog " * 40
 """About 360 tokens: 3 blocks of 128 tokens a request."""
 
 
-def test_llm_autoscaled_starts_at_its_floor_and_grows_for_a_batch(probe) -> None:
+def test_llm_autoscaled_starts_at_its_floor_and_grows_for_a_batch(probe, tmp_path: Path) -> None:
     prompts = [f"{i} {PROMPT}" for i in range(12)]
-    result, log = probe(kv_cache_max_memory="16M", kv_cache_autoscale=True, prompts=prompts, max_tokens=16)
+    locks = tmp_path / "locks"
+    result, log = probe(
+        env={"VLLM_KV_CACHE_LIMIT_LOCK_DIR": str(locks)},
+        kv_cache_max_memory="16M",
+        kv_cache_autoscale=True,
+        kv_cache_shared_budget="32M",
+        prompts=prompts,
+        max_tokens=16,
+    )
     assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{log[-3000:]}"
+    # It took its place in the device's ledger, and its clean exit removed
+    # its entry (not left to the next instance's reader).
+    ledgers = list(locks.glob("budget-*"))
+    assert len(ledgers) == 1 and (ledgers[0] / "ledger.lock").is_file(), sorted(locks.rglob("*"))
+    assert not list(ledgers[0].glob("*.entry")), sorted(ledgers[0].iterdir())
+    assert "shared budget 32MiB, others hold 0B (none)" in log, log[-3000:]
     assert result["kv_cache_bytes"] == [16 * 2**20]  # allocated at start-up: the most it can grow to
     started = re.search(r"KV cache autoscale on: limit \S+ per worker \(the floor, (\d+) of (\d+) blocks\)", log)
     assert started, log[-3000:]

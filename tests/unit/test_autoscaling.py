@@ -246,3 +246,38 @@ def test_a_budget_below_the_floors_is_refused_quoting_them(tmp_path: Path) -> No
         sa.close()
     # The refused instance left no entry behind.
     assert len(list(tmp_path.glob("budget-*/*.entry"))) == 0
+
+
+def test_shutdown_removes_the_ledger_entries_before_vllm_tears_down(tmp_path: Path) -> None:
+    """``EngineCore.shutdown`` wrapped: the entry goes at once (not when the
+    process exits, nor at the next reader), so an engine shut down in a
+    process that goes on gives its share back; the original still runs."""
+    from vllm_kv_cache_limit.budget import ENTRY_SUFFIX, Ledger
+    from vllm_kv_cache_limit.resizing.engine_core import _leave_budget_first
+
+    engine = Engine()
+    scaler = started(engine, autoscaler(engine, 300 * BPB), tmp_path)
+    entries = lambda: sorted(tmp_path.glob(f"budget-*/*{ENTRY_SUFFIX}"))  # noqa: E731
+    assert len(entries()) == 1
+    other = Ledger(str(tmp_path), DEVICES[0][0], label="other")
+    with other.transaction() as view:
+        assert [o["holds"] for o in view.others] == [scaler.floor * BPB]  # the premise: it is counted
+    mine = scaler.ledgers[0].entry_name
+    seen_by_vllm: list[list[str]] = []
+
+    def shutdown(core: Any) -> str:
+        seen_by_vllm.append([p.name for p in entries()])
+        return "vLLM's result"
+
+    core = type("Core", (), {})()
+    core._kvcl_autoscaler = scaler
+    assert _leave_budget_first(shutdown)(core) == "vLLM's result"
+    assert seen_by_vllm == [[other.entry_name]], (mine, seen_by_vllm)  # gone before vLLM's shutdown ran
+    assert core._kvcl_autoscaler is None and scaler.stop.is_set() and scaler.ledgers == []
+    with other.transaction() as view:
+        assert view.others == []
+    assert [p.name for p in entries()] == [other.entry_name]  # only the reader's own
+    other.close()
+    # Without autoscaling the original runs alone.
+    plain = type("Core", (), {})()
+    assert _leave_budget_first(lambda core: "alone")(plain) == "alone"

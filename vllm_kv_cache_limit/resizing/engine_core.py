@@ -47,6 +47,7 @@ def patch(module: Any) -> None:
         ENGINE_CORE_PROC_HANDLE_CLIENT_REQUEST,
         functools.partial(wrap, module.EngineCoreProc, "_handle_client_request", _autoscale_after_request),
     )
+    optional(ENGINE_CORE_SHUTDOWN, functools.partial(wrap, module.EngineCore, "shutdown", _leave_budget_first))
 
 
 def _release_after(original: Callable) -> Callable:
@@ -88,6 +89,26 @@ def _autoscale_after_request(original: Callable) -> Callable:
             _autoscale_tick(self)
             _release_if_due(self)
         return result
+
+    return method
+
+
+def _leave_budget_first(original: Callable) -> Callable:
+    """Why: an engine shut down in a process that goes on (``del llm`` in a
+    notebook, an in-process engine) would keep its ledger entry, and with it
+    its share of the shared budget, until that process exits; a clean exit
+    would leave its entry file for the next reader to remove. How: wraps
+    ``EngineCore.shutdown`` to stop the autoscaler and remove its entries
+    before the original tears the engine down. Without autoscaling the
+    original runs alone."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        scaler: Autoscaler | None = getattr(self, "_kvcl_autoscaler", None)
+        if scaler is not None:
+            self._kvcl_autoscaler = None
+            scaler.close()
+            logger.debug("KV cache autoscale off: the engine core shuts down; its ledger entries are removed.")
+        return original(self, *args, **kwargs)
 
     return method
 
@@ -448,6 +469,15 @@ ENGINE_CORE_PROC_HANDLE_CLIENT_REQUEST = Hook(
     remove_when=RESIZE_REMOVE,
 )
 
+ENGINE_CORE_SHUTDOWN = Hook(
+    ("vllm.v1.engine.core",),
+    "EngineCore.shutdown",
+    ("self",),
+    wrapper=_leave_budget_first,
+    upstream=RESIZE_UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
 FREE_BLOCK_QUEUE_APPEND_N = Hook(("vllm.v1.core.kv_cache_utils",), "FreeKVCacheBlockQueue.append_n", ("self",))
 
 SCHEDULER_PREEMPT_REQUEST = Hook(
@@ -460,6 +490,7 @@ HOOKS = (
     ENGINE_CORE_STEP_WITH_BATCH_QUEUE,
     ENGINE_CORE_ABORT_REQUESTS,
     ENGINE_CORE_PROC_HANDLE_CLIENT_REQUEST,
+    ENGINE_CORE_SHUTDOWN,
     FREE_BLOCK_QUEUE_APPEND_N,
     SCHEDULER_PREEMPT_REQUEST,
 )
