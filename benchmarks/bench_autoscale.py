@@ -82,7 +82,6 @@ WORDS = "the quick brown fox jumps over the lazy dog "
 TOKENS_PER_WORDS = 9
 """Tokens of one ``WORDS`` with the tiny Llama's tokenizer (96 are 867 tokens);
 the prompt lengths reported are the servers' own counts."""
-LOG_PREFIX = "autoscale-"
 
 BURST_AUTO, BURST_STATIC = "burst-auto", "burst-static"
 BUDGET_A, BUDGET_B = "budget-a", "budget-b"
@@ -802,6 +801,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=2048, help="default 2048")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="default 64")
     parser.add_argument("--sample-s", type=float, default=0.5, help="seconds between samples (default 0.5)")
+    parser.add_argument(
+        "--name",
+        default="autoscale",
+        help="results/NAME.{csv,json,png}, NAME_samples.*, server logs NAME-*.log (default autoscale)",
+    )
     bursts = parser.add_argument_group("measurements 1 and 2: bursts on one server")
     bursts.add_argument("--burst-cap", default="32M", help="--kv-cache-max-memory of both burst servers (default 32M)")
     bursts.add_argument("--burst-clients", type=int, default=16, help="concurrent streaming clients (default 16)")
@@ -846,8 +850,8 @@ def _terminate(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through api_servers, which stops every server
 
 
-def started(up: dict[str, Server]) -> dict[str, Server]:
-    servers = {name.removeprefix(LOG_PREFIX): server for name, server in up.items()}
+def started(up: dict[str, Server], prefix: str) -> dict[str, Server]:
+    servers = {name.removeprefix(prefix): server for name, server in up.items()}
     for name, server in servers.items():
         if server.ready_s is None:
             state = f"exited {server.returncode}" if server.returncode is not None else "not ready"
@@ -1094,11 +1098,11 @@ def main() -> None:
             VLLM_KV_CACHE_LIMIT_LOCK_DIR=str(locks),
             VLLM_KV_CACHE_LIMIT_SHRINK_AFTER_S=f"{args.shrink_after_s:g}",
         )
-        launch: dict[str, Any] = {LOG_PREFIX + name: (cli, env) for name, cli in specs.items()}
+        launch: dict[str, Any] = {f"{args.name}-{name}": (cli, env) for name, cli in specs.items()}
         print(f"starting {len(launch)} servers at once (lock folder {locks}) ...", flush=True)
         # api_servers stops every server, process groups included, however this block ends.
         with api_servers(launch, c.RESULTS_DIR, c.ENGINE_TIMEOUT_S, c.REPO) as up:
-            servers = started(up)
+            servers = started(up, f"{args.name}-")
             first = {name: status(server.base) for name, server in servers.items()}
             settings["status_at_start"] = first
             if "bursts" in args.parts:
@@ -1117,14 +1121,14 @@ def main() -> None:
     if "budget" in args.parts:
         summary["budget"], more = report_budget(phases, samplers[-1], budget)
         lines += ([""] if lines else []) + more
-    png = c.RESULTS_DIR / "autoscale.png"
+    png = c.RESULTS_DIR / f"{args.name}.png"
     plot(samplers, plot_spans(runs, phases), budget, png)
     settings["sampler_errors"] = {s.measurement: s.errors[:20] for s in samplers}
-    csv_path, json_path = c.save("autoscale", footprints + runs + phases, {"summary": summary, "settings": settings})
-    c.save("autoscale_samples", [row for s in samplers for row in s.rows], {"settings": settings})
+    csv_path, json_path = c.save(args.name, footprints + runs + phases, {"summary": summary, "settings": settings})
+    c.save(f"{args.name}_samples", [row for s in samplers for row in s.rows], {"settings": settings})
     print()
     print("\n".join(lines))
-    print(f"\nplot: {png}; results: {csv_path}, {json_path}; server logs: {c.RESULTS_DIR}/{LOG_PREFIX}*.log")
+    print(f"\nplot: {png}; results: {csv_path}, {json_path}; server logs: {c.RESULTS_DIR}/{args.name}-*.log")
 
 
 if __name__ == "__main__":
