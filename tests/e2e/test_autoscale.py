@@ -8,7 +8,7 @@ blocks; an idle server falls to its floor and its worker's RSS falls by the
 bytes released, and ``vllm:kv_cache_limit_bytes`` follows the limit; a
 manual resize sets the ceiling the autoscaler stays under (and is refused
 below the floor); killed with SIGKILL, B gives its share back and A grows
-into it."""
+into it; a worker of A killed mid-run takes its share with it."""
 
 from __future__ import annotations
 
@@ -329,3 +329,53 @@ def _gone(pgid: int) -> bool:
         except (ProcessLookupError, psutil.Error):
             continue
     return True
+
+
+def test_a_worker_killed_mid_run_takes_its_share_with_it(pair: dict[str, Any]) -> None:
+    """Last (it ends A): A's worker killed with SIGKILL while A is loaded and
+    holds most of the budget. A's engine core stops, and its share goes back
+    to the ledger without anyone cleaning up: no entry is left that a live
+    process holds."""
+    a, log_a = pair["servers"]["a"]
+    locks = pair["locks"]
+    server = _server_process(a)
+    with load(a, 2 * CLIENTS):
+        wait_for(lambda: status(a)["kv_cache_limit_bytes"] > BUDGET // 2, "A to grow under load")
+        assert _live_entries(locks) == 1 and max(ledger_holds(locks)) > BUDGET // 2, ledger_holds(locks)
+        workers = [
+            child for child in server.children(recursive=True) if " ".join(child.cmdline()).startswith("VLLM::Worker")
+        ]
+        assert len(workers) == 1, workers
+        workers[0].kill()
+        wait_for(lambda: _live_entries(locks) == 0, "A's share to go back after its worker died", 120)
+    assert "died unexpectedly" in log_a.read_text(), log_a.read_text()[-3000:]
+
+
+def _server_process(base: str) -> psutil.Process:
+    """The API server process listening on ``base``'s port."""
+    port = base.rsplit(":", 1)[1]
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline[:1] != ["unshare"] and "--port" in cmdline and cmdline[cmdline.index("--port") + 1] == port:
+            return proc
+    raise AssertionError(f"no server process serving port {port}")
+
+
+def _live_entries(locks: Path) -> int:
+    """Ledger entries whose lock a live process holds, read as an outside
+    reader would: an entry it can lock has no live owner."""
+    import fcntl
+
+    live = 0
+    for entry in locks.glob("budget-*/*.entry"):
+        try:
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            live += 1
+        finally:
+            os.close(fd)
+    return live

@@ -7,6 +7,7 @@ floors, quoting them."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -281,3 +282,18 @@ def test_shutdown_removes_the_ledger_entries_before_vllm_tears_down(tmp_path: Pa
     # Without autoscaling the original runs alone.
     plain = type("Core", (), {})()
     assert _leave_budget_first(lambda core: "alone")(plain) == "alone"
+
+
+def test_a_failure_leaving_the_ledger_does_not_stop_vllms_shutdown(caplog: pytest.LogCaptureFixture) -> None:
+    from vllm_kv_cache_limit.resizing.engine_core import _leave_budget_first
+
+    class Broken:
+        def close(self) -> None:
+            raise OSError("the ledger folder is gone")
+
+    core = type("Core", (), {})()
+    core._kvcl_autoscaler = Broken()
+    with caplog.at_level(logging.ERROR, logger="vllm.plugins.kv_cache_limit"):
+        assert _leave_budget_first(lambda core: "vLLM's result")(core) == "vLLM's result"
+    assert core._kvcl_autoscaler is None
+    assert "Leaving the shared KV cache budget's ledger failed" in caplog.text

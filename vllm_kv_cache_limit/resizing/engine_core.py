@@ -106,8 +106,12 @@ def _leave_budget_first(original: Callable) -> Callable:
         scaler: Autoscaler | None = getattr(self, "_kvcl_autoscaler", None)
         if scaler is not None:
             self._kvcl_autoscaler = None
-            scaler.close()
-            logger.debug("KV cache autoscale off: the engine core shuts down; its ledger entries are removed.")
+            try:
+                scaler.close()
+            except Exception:  # never in the way of vLLM's own shutdown
+                logger.exception("Leaving the shared KV cache budget's ledger failed; the process exit drops it.")
+            else:
+                logger.debug("KV cache autoscale off: the engine core shuts down; its ledger entries are removed.")
         return original(self, *args, **kwargs)
 
     return method
