@@ -297,3 +297,29 @@ def test_a_failure_leaving_the_ledger_does_not_stop_vllms_shutdown(caplog: pytes
         assert _leave_budget_first(lambda core: "vLLM's result")(core) == "vLLM's result"
     assert core._kvcl_autoscaler is None
     assert "Leaving the shared KV cache budget's ledger failed" in caplog.text
+
+
+def test_a_ledger_this_instance_may_not_write_is_refused_quoting_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user's budget folder without write access for others: the
+    entry cannot be created. (Simulated: these tests may run as root, whom
+    modes do not stop.)"""
+    from vllm_kv_cache_limit import budget
+
+    real = budget._open_regular
+
+    def refuse_entries(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int | None:
+        if name.endswith(budget.ENTRY_SUFFIX):
+            raise PermissionError(13, "Permission denied", name)
+        return real(dir_fd, name, flags, mode)
+
+    monkeypatch.setattr(budget, "_open_regular", refuse_entries)
+    engine = Engine()
+    scaler = autoscaler(engine, 300 * BPB)
+    with pytest.raises(KVCacheMaxMemoryError) as refused:
+        autoscaling.join(scaler, DEVICES, str(tmp_path))
+    message = str(refused.value)
+    assert f"--kv-cache-shared-budget: the ledger in {tmp_path} cannot be used" in message, message
+    assert "Permission denied" in message and "VLLM_KV_CACHE_LIMIT_LOCK_DIR" in message, message
+    assert scaler.ledgers == []  # closed: no descriptor left

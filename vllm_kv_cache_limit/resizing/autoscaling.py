@@ -274,6 +274,13 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
                     "Start it when they are idle, or give a larger budget."
                 )
             time.sleep(0.2)
+    except OSError as exc:  # e.g. another user's folder this one may not write to
+        scaler.close()
+        raise KVCacheMaxMemoryError(
+            f"--kv-cache-shared-budget: the ledger in {folder} cannot be used: {exc}. "
+            f"Give a lock folder every instance may write to "
+            f"({startup_lock.LOCK_DIR_ENV}), for example one created with mode 1777."
+        ) from None
     except BaseException:
         scaler.close()
         raise
