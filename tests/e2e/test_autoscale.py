@@ -311,12 +311,7 @@ def test_killed_instance_gives_its_share_back(pair: dict[str, Any]) -> None:
 def _server_pgid(base: str) -> int:
     """The process group of the server on ``base``'s port: the ``unshare``
     process it was started under leads it."""
-    port = base.rsplit(":", 1)[1]
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if cmdline[:1] == ["unshare"] and "--port" in cmdline and cmdline[cmdline.index("--port") + 1] == port:
-            return os.getpgid(proc.pid)
-    raise AssertionError(f"no unshare process serving port {port}")
+    return os.getpgid(_serving(base, unshare=True).pid)
 
 
 def _gone(pgid: int) -> bool:
@@ -338,7 +333,7 @@ def test_a_worker_killed_mid_run_takes_its_share_with_it(pair: dict[str, Any]) -
     process holds."""
     a, log_a = pair["servers"]["a"]
     locks = pair["locks"]
-    server = _server_process(a)
+    server = _serving(a)
     with load(a, 2 * CLIENTS):
         wait_for(lambda: status(a)["kv_cache_limit_bytes"] > BUDGET // 2, "A to grow under load")
         assert _live_entries(locks) == 1 and max(ledger_holds(locks)) > BUDGET // 2, ledger_holds(locks)
@@ -351,14 +346,16 @@ def test_a_worker_killed_mid_run_takes_its_share_with_it(pair: dict[str, Any]) -
     assert "died unexpectedly" in log_a.read_text(), log_a.read_text()[-3000:]
 
 
-def _server_process(base: str) -> psutil.Process:
-    """The API server process listening on ``base``'s port."""
+def _serving(base: str, unshare: bool = False) -> psutil.Process:
+    """The process started with ``--port`` of ``base``: the ``unshare``
+    process a server runs under, or (``unshare=False``) the API server."""
     port = base.rsplit(":", 1)[1]
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if cmdline[:1] != ["unshare"] and "--port" in cmdline and cmdline[cmdline.index("--port") + 1] == port:
+        under = cmdline[:1] == ["unshare"]
+        if under == unshare and "--port" in cmdline and cmdline[cmdline.index("--port") + 1] == port:
             return proc
-    raise AssertionError(f"no server process serving port {port}")
+    raise AssertionError(f"no {'unshare' if unshare else 'server'} process serving port {port}")
 
 
 def _live_entries(locks: Path) -> int:
