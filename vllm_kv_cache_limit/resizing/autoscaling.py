@@ -246,15 +246,11 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
     folder = startup_lock.lock_dir() if folder is None else folder
     bpb = scaler.allocation.bytes_per_block
     floor = scaler.floor * bpb
-    try:
-        for key, _ in sorted(set(devices)):
-            scaler.ledgers.append(Ledger(folder, key))
-    except OSError as exc:
-        scaler.close()
-        raise KVCacheMaxMemoryError(f"--kv-cache-shared-budget: the ledger in {folder} cannot be used: {exc}") from None
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     scaler.scaler.target = scaler.floor
     try:
+        for key, _ in sorted(set(devices)):
+            scaler.ledgers.append(Ledger(folder, key))
         while True:
             with scaler.transaction() as views:
                 scaler.others = _instances(views)
@@ -274,7 +270,7 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
                     "Start it when they are idle, or give a larger budget."
                 )
             time.sleep(0.2)
-    except OSError as exc:  # e.g. another user's folder this one may not write to
+    except OSError as exc:  # a planted link, a folder without the sticky bit, another user's folder
         scaler.close()
         raise KVCacheMaxMemoryError(
             f"--kv-cache-shared-budget: the ledger in {folder} cannot be used: {exc}. "
