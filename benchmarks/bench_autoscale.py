@@ -530,8 +530,11 @@ def budget_variant(
     servers: dict[str, Server], variant: str, cycle: int, args: argparse.Namespace, prompt: str, sampler: Sampler
 ) -> list[dict]:
     """A busy for ``--phase-s`` while B idles, then B busy while A idles.
-    At the switch A's clients stop sending and its last requests finish
-    while B's load runs; B's requests finish before the next variant."""
+    At the switch A's clients stop sending. With ``--switch overlap`` A's
+    last requests finish while B's load runs (and share the CPU with it);
+    with ``--switch drain`` they finish before B's phase starts, so each
+    phase's tokens/s is the busy server's alone. B's requests finish before
+    the next variant."""
     a, b = BUDGET_VARIANTS[variant]
     rows = []
     loads = []
@@ -545,6 +548,8 @@ def budget_variant(
             after = metrics(base)
             ended = time.monotonic()
             load.stop.set()  # no new requests; the stack waits for the last ones
+            if args.switch == "drain":
+                load.__exit__(None, None, None)  # joins the clients: their last requests finish here
             loads.append(load)
             generated = _delta(before, after, "tokens")
             rows.append(
@@ -825,6 +830,13 @@ def parse_args() -> argparse.Namespace:
     budget.add_argument("--budget-prompt-tokens", type=int, default=1440, help="prompt length, about (default 1440)")
     budget.add_argument("--budget-max-tokens", type=int, default=256, help="tokens generated per request (default 256)")
     budget.add_argument("--phase-s", type=float, default=25.0, help="seconds one server is busy (default 25)")
+    budget.add_argument(
+        "--switch",
+        choices=["overlap", "drain"],
+        default="overlap",
+        help="at a switch, the server going idle finishes its last requests during the next phase (overlap, "
+        "default) or before it starts (drain)",
+    )
     budget.add_argument(
         "--cycles", type=int, default=2, help="A-then-B cycles per variant, the variants alternating (default 2)"
     )

@@ -32,7 +32,7 @@ from tests.e2e.conftest import api_servers, engine_env, server_args
 from tests.helpers import CompletionLoad, Periodic, ledger_holds, metric
 from vllm_kv_cache_limit.sizes import format_size
 
-pytestmark = pytest.mark.plugin_only  # autoscaling is the plugin's
+pytestmark = [pytest.mark.plugin_only, pytest.mark.smoke]  # autoscaling is the plugin's; every CPU build
 
 MiB = 2**20
 CAP = 48 * MiB

@@ -13,7 +13,7 @@ import pytest
 
 from tests.e2e.conftest import cap_error
 
-pytestmark = pytest.mark.plugin_only  # autoscaling is the plugin's
+pytestmark = [pytest.mark.plugin_only, pytest.mark.smoke]  # autoscaling is the plugin's; every CPU build
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 40
 """About 360 tokens: 3 blocks of 128 tokens a request."""
