@@ -11,10 +11,12 @@ nothing outlives the measurement (from the repository's root):
 
 The JSON object holds ``LLM(...)`` keyword arguments plus optional probe
 settings: ``prompts`` (list of str) and ``max_tokens`` for a greedy
-generation. The output line starts with ``PROBE_RESULT `` and holds
-``kv_cache_bytes`` (per worker, summed over the storages of the KV cache
-tensors), ``num_gpu_blocks``, ``block_size``, ``texts`` and, on failure,
-``error_type`` and ``error``.
+generation, and ``resize_to`` (a size) for a run-time resize after it. The
+output line starts with ``PROBE_RESULT `` and holds ``kv_cache_bytes`` (per
+worker, summed over the storages of the KV cache tensors),
+``num_gpu_blocks``, ``block_size``, ``texts``, with ``resize_to`` the
+``resize`` status or ``resize_error``, with it or autoscaling the limit's
+``status`` at the end, and, on failure, ``error_type`` and ``error``.
 
 Child processes find this module (``tests.helpers``, e.g. the worker
 extension ``tests.helpers.KVCacheProbe``) when they start in the repository's
@@ -222,6 +224,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     spec = dict(spec)
     prompts = spec.pop("prompts", ["Hello, my name is"])
     max_tokens = spec.pop("max_tokens", 8)
+    resize_to = spec.pop("resize_to", None)
     result: dict[str, Any] = {"ok": False}
     started = time.perf_counter()
     try:
@@ -235,6 +238,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if prompts:
             outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
             result["texts"] = [o.outputs[0].text for o in outputs]
+        if resize_to is not None or spec.get("kv_cache_autoscale"):
+            from vllm_kv_cache_limit.errors import KVCacheResizeError
+            from vllm_kv_cache_limit.resizing.client import kv_cache_limit_status, set_kv_cache_max_memory
+
+            if resize_to is not None:
+                try:
+                    result["resize"] = set_kv_cache_max_memory(llm, resize_to, timeout_s=60)
+                except KVCacheResizeError as exc:
+                    result["resize_error"] = error_result(exc)
+            result["status"] = kv_cache_limit_status(llm)
         result["ok"] = True
     except Exception as exc:  # reported, not raised: the caller reads the line
         result.update(error_result(exc))

@@ -323,3 +323,75 @@ def test_a_ledger_this_instance_may_not_write_is_refused_quoting_it(
     assert f"--kv-cache-shared-budget: the ledger in {tmp_path} cannot be used" in message, message
     assert "Permission denied" in message and "VLLM_KV_CACHE_LIMIT_LOCK_DIR" in message, message
     assert scaler.ledgers == []  # closed: no descriptor left
+
+
+def test_workers_sharing_a_device_count_once_each_in_its_ledger(tmp_path: Path) -> None:
+    """Tensor parallel 2 on one CPU memory node: both workers hold the limit
+    there, so the instance's entry holds twice a worker's bytes, and its
+    limit grows only as far as the budget holds both workers' blocks."""
+    budget = 300 * BPB
+    a, b = Engine(), Engine()
+    tp2 = autoscaler(a, budget)
+    tp2.device_bytes_per_block = 2 * BPB
+    sa = started(a, tp2, tmp_path)
+    sb = started(b, autoscaler(b, budget), tmp_path)
+    try:
+        a.demand(250)
+        tick(a, sa, 100.0)
+        # The premise: A's demand asks for more than the budget holds for two workers.
+        assert sa.target * 2 * BPB > budget - sb.floor * BPB, sa.target
+        assert a.limit == (budget - sb.floor * BPB) // (2 * BPB), a.calls
+        # What the node holds: A's two workers at their limit, and B.
+        assert 2 * a.limit * BPB + b.limit * BPB <= budget
+        with sb.transaction() as views:
+            assert [int(o["holds"]) for o in views[0].others] == [2 * a.limit * BPB]
+        assert sa.status()["held_bytes"] == 2 * a.limit * BPB
+        # B needs blocks; idle A gives back down to its floor, and B grows
+        # into the budget less A's two workers' floors.
+        a.demand(0)
+        b.demand(250)
+        tick(b, sb, 101.0)
+        tick(a, sa, 101.0)
+        tick(a, sa, 102.0)
+        tick(b, sb, 102.0)
+        assert a.limit == sa.floor and b.limit == (budget - 2 * sa.floor * BPB) // BPB, (a.calls, b.calls)
+    finally:
+        sa.close()
+        sb.close()
+
+
+def test_a_budget_below_the_floors_counts_every_worker_on_the_device(tmp_path: Path) -> None:
+    a = Engine()
+    sa = started(a, autoscaler(a, 50 * BPB, floor=20), tmp_path)
+    try:
+        tp2 = autoscaler(Engine(), 50 * BPB, floor=20)
+        tp2.device_bytes_per_block = 2 * BPB
+        with pytest.raises(KVCacheMaxMemoryError) as refused:
+            autoscaling.join(tp2, DEVICES, str(tmp_path))
+        # 20 blocks on each of two workers, and the other's 20: 60 blocks of 1KiB.
+        assert "this one's 40KiB" in str(refused.value) and "at least 60KiB" in str(refused.value), refused.value
+    finally:
+        sa.close()
+
+
+@pytest.mark.parametrize(
+    ("allocated", "devices", "workers", "expected"),
+    [
+        ([BLOCKS * BPB], 1, 1, BPB),
+        # Tensor parallel 2 on one CPU memory node: two shares on it.
+        ([BLOCKS * BPB] * 2, 1, 2, 2 * BPB),
+        # One worker a GPU.
+        ([BLOCKS * BPB] * 2, 2, 2, BPB),
+        # Pipeline stages of unequal size on one node: the larger, twice (an upper bound).
+        ([BLOCKS * BPB * 3 // 2, BLOCKS * BPB // 2], 1, 2, 3 * BPB),
+    ],
+)
+def test_a_block_on_a_device_counts_its_largest_worker_times_its_workers(
+    allocated: list[int], devices: int, workers: int, expected: int
+) -> None:
+    from vllm_kv_cache_limit.resizing.engine_core import _device_bytes_per_block
+
+    executor = type("Executor", (), {"collective_rpc": lambda self, method: allocated})()
+    core = type("Core", (), {"model_executor": executor})()
+    allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=BPB, blocks_per_request=8, max_model_len=128)
+    assert _device_bytes_per_block(core, allocation, devices, workers) == expected

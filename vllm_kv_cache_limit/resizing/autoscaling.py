@@ -51,6 +51,10 @@ class Autoscaler:
     """Per KV cache group: tokens per block, and the most blocks one request needs."""
     max_model_len: int
     budget: int | None = None
+    device_bytes_per_block: int = 0
+    """Bytes a block of the limit takes on one device, over this instance's
+    workers there (two tensor-parallel workers on one CPU memory node hold
+    twice a worker's share): the unit of its ledger entries. 0: one worker's."""
     ledgers: list[Ledger] = field(default_factory=list)
     held: int = 0
     """Blocks this instance's ledger entry holds (its limit, or while a
@@ -64,6 +68,11 @@ class Autoscaler:
     @property
     def floor(self) -> int:
         return self.scaler.policy.floor
+
+    @property
+    def unit(self) -> int:
+        """Bytes of the ledger per block of the limit (``device_bytes_per_block``)."""
+        return self.device_bytes_per_block or self.allocation.bytes_per_block
 
     @property
     def target(self) -> int:
@@ -150,29 +159,29 @@ class Autoscaler:
         return f"; shared budget {format_size(self.budget)}, others hold {format_size(others)} ({names})"
 
     def _shares(self, holds: int) -> tuple[Share, list[Share]]:
-        bpb = self.allocation.bytes_per_block
-        me = Share(holds=holds * bpb, wants=self.target * bpb, floor=self.floor * bpb)
+        unit = self.unit
+        me = Share(holds=holds * unit, wants=self.target * unit, floor=self.floor * unit)
         return me, [Share(int(o["holds"]), int(o["wants"]), int(o["floor"])) for o in self.others]
 
     def _within_budget(self, limit: int, new: int | None, drained: bool) -> tuple[int | None, bool]:
         """``new`` bounded by the ledger, and a give-back when others need
         the budget; writes this instance's entry."""
         assert self.budget is not None
-        bpb = self.allocation.bytes_per_block
+        unit = self.unit
         with self.transaction() as views:
             self.others = _instances(views)
             if drained:
                 self.held = limit
             me, others = self._shares(self.held)
             if new is not None and new > limit:
-                granted = autoscale.grant(me, others, self.budget) // bpb
+                granted = autoscale.grant(me, others, self.budget) // unit
                 new = min(new, granted) if granted > limit else None
             gave = False
             if new is None or new <= limit:
                 back = autoscale.give_back(me, others, self.budget)
-                if back is not None and max(self.floor, back // bpb) < min(new or limit, limit):
+                if back is not None and max(self.floor, back // unit) < min(new or limit, limit):
                     self.scaler.below_since = None
-                    new, gave = max(self.floor, back // bpb), True
+                    new, gave = max(self.floor, back // unit), True
             if new is not None and new > limit:
                 self.held = max(self.held, new)
             self._write(views)
@@ -185,12 +194,12 @@ class Autoscaler:
 
     def _write(self, views: list[View]) -> None:
         """This instance's entry in every ledger, unless it is unchanged."""
-        bpb = self.allocation.bytes_per_block
+        unit = self.unit
         record = {
             "budget": self.budget,
-            "floor": self.floor * bpb,
-            "holds": self.held * bpb,
-            "wants": self.target * bpb,
+            "floor": self.floor * unit,
+            "holds": self.held * unit,
+            "wants": self.target * unit,
         }
         for view in views:
             if view.ledger.record != record:
@@ -205,7 +214,7 @@ class Autoscaler:
             "target_bytes": self.target * bpb,
             "changes": self.changes,
             "shared_budget": self.budget,
-            "held_bytes": self.held * bpb if self.budget is not None else None,
+            "held_bytes": self.held * self.unit if self.budget is not None else None,
             "others": [{k: o.get(k) for k in ("label", "holds", "wants", "floor")} for o in self.others],
         }
 
@@ -244,8 +253,7 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
     and wait (bounded) until the others leave this instance its floor."""
     assert scaler.budget is not None
     folder = startup_lock.lock_dir() if folder is None else folder
-    bpb = scaler.allocation.bytes_per_block
-    floor = scaler.floor * bpb
+    floor = scaler.floor * scaler.unit  # on each device, over this instance's workers there
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     scaler.scaler.target = scaler.floor
     try:

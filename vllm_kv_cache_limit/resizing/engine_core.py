@@ -396,7 +396,8 @@ def _autoscale_start(self: Any) -> None:
     )
     bpb = allocation.bytes_per_block
     if scaler.budget is not None:
-        devices, _ = instance_devices(vllm_config)
+        devices, workers = instance_devices(vllm_config)
+        scaler.device_bytes_per_block = _device_bytes_per_block(self, allocation, len(devices), workers)
         autoscaling.join(scaler, [(d.key, d.label) for d in devices])
     reply = _set_limit(self, floor * bpb, "drain", log=False)
     if resize.is_error(reply):
@@ -422,6 +423,17 @@ def _autoscale_start(self: Any) -> None:
 
     if isinstance(self, EngineCoreProc):  # an idle engine core blocks on its input queue: wake it
         autoscaling.start_waking(self, scaler, EngineCoreRequestType.WAKEUP)
+
+
+def _device_bytes_per_block(engine_core: Any, allocation: Allocation, devices: int, workers: int) -> int:
+    """Bytes a block of the limit takes on one device: the largest worker's
+    share, times the workers each device holds (on the CPU backend every
+    local worker lives in the host's memory nodes, so tensor parallel 2 on
+    one node holds two shares there; on a GPU, one worker each). An upper
+    bound, so that the ledger never holds less than the devices do."""
+    allocated = [int(b) for b in engine_core.model_executor.collective_rpc("kv_cache_limit_allocated")]
+    largest = -(-max(allocated, default=allocation.nbytes) // allocation.num_blocks)
+    return max(1, -(-max(1, workers) // max(1, devices))) * largest
 
 
 def _worker_pages(engine_core: Any, keep: int, num_blocks: int, release: bool) -> int:
