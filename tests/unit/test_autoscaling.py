@@ -369,9 +369,18 @@ def test_a_budget_below_the_floors_counts_every_worker_on_the_device(tmp_path: P
         with pytest.raises(KVCacheMaxMemoryError) as refused:
             autoscaling.join(tp2, DEVICES, str(tmp_path))
         # 20 blocks on each of two workers, and the other's 20: 60 blocks of 1KiB.
-        assert "this one's 40KiB" in str(refused.value) and "at least 60KiB" in str(refused.value), refused.value
+        message = str(refused.value)
+        assert "this one's 40KiB (its workers' floors on the device together) and 1 other(s)' 20KiB" in message
+        assert "at least 60KiB" in message, message
     finally:
         sa.close()
+    # Alone on the device, its workers' floors alone can be above the budget.
+    alone = autoscaler(Engine(), 30 * BPB, floor=20)
+    alone.device_bytes_per_block = 2 * BPB
+    with pytest.raises(KVCacheMaxMemoryError) as refused:
+        autoscaling.join(alone, DEVICES, str(tmp_path))
+    message = str(refused.value)
+    assert "host memory node 0: this one's 40KiB (its workers' floors on the device together). Give" in message
 
 
 @pytest.mark.parametrize(

@@ -262,7 +262,9 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
         while True:
             with scaler.transaction() as views:
                 scaler.others = _instances(views)
-                _check_others(scaler.budget, floor, scaler.others, devices)
+                _check_others(
+                    scaler.budget, floor, scaler.others, devices, scaler.unit > scaler.allocation.bytes_per_block
+                )
                 free = scaler.budget - max((sum(int(o["holds"]) for o in view.others) for view in views), default=0)
                 if free >= floor:
                     scaler.held = scaler.floor
@@ -290,7 +292,12 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
         raise
 
 
-def _check_others(total: int, floor: int, others: list[dict[str, Any]], devices: list[tuple[str, str]]) -> None:
+def _check_others(
+    total: int, floor: int, others: list[dict[str, Any]], devices: list[tuple[str, str]], workers: bool = False
+) -> None:
+    """Refuse a budget that differs from the others' or cannot hold every
+    floor; ``workers``: this instance has several workers on a device, and
+    ``floor`` is theirs together."""
     where = ", ".join(label for _, label in devices)
     for other in others:
         if other.get("budget") != total:
@@ -302,10 +309,15 @@ def _check_others(total: int, floor: int, others: list[dict[str, Any]], devices:
     floors = [int(o["floor"]) for o in others]
     if not autoscale.fits_floors(floor, floors, total):
         least = floor + sum(floors)
+        mine = f"this one's {format_size(floor)}" + (" (its workers' floors on the device together)" if workers else "")
+        theirs = (
+            f" and {len(others)} other(s)' {format_size(sum(floors))} ({', '.join(str(o.get('label')) for o in others)})"
+            if others
+            else ""
+        )
         raise KVCacheMaxMemoryError(
             f"--kv-cache-shared-budget {format_size(total)} ({total} bytes) is below the floors of the "
-            f"instances on {where}: this one's {format_size(floor)} and {len(others)} other(s)' "
-            f"{format_size(sum(floors))} ({', '.join(str(o.get('label')) for o in others)}). Give a budget of at "
+            f"instances on {where}: {mine}{theirs}. Give a budget of at "
             f"least {format_size(least)} ({least} bytes), or lower --kv-cache-min-memory."
         )
 
