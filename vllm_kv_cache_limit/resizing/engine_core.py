@@ -397,7 +397,10 @@ def _autoscale_start(self: Any) -> None:
     bpb = allocation.bytes_per_block
     if scaler.budget is not None:
         devices, workers = instance_devices(vllm_config)
-        scaler.device_bytes_per_block = _device_bytes_per_block(self, allocation, len(devices), workers)
+        from vllm.platforms import current_platform
+
+        cpu = current_platform.is_cpu()
+        scaler.device_bytes_per_block = _device_bytes_per_block(self, allocation, len(devices), workers, cpu)
         autoscaling.join(scaler, [(d.key, d.label) for d in devices])
     reply = _set_limit(self, floor * bpb, "drain", log=False)
     if resize.is_error(reply):
@@ -425,15 +428,17 @@ def _autoscale_start(self: Any) -> None:
         autoscaling.start_waking(self, scaler, EngineCoreRequestType.WAKEUP)
 
 
-def _device_bytes_per_block(engine_core: Any, allocation: Allocation, devices: int, workers: int) -> int:
+def _device_bytes_per_block(engine_core: Any, allocation: Allocation, devices: int, workers: int, cpu: bool) -> int:
     """Bytes a block of the limit takes on one device: the largest worker's
-    share, times the workers each device holds (on the CPU backend every
-    local worker lives in the host's memory nodes, so tensor parallel 2 on
-    one node holds two shares there; on a GPU, one worker each). An upper
+    share, times the workers a device may hold. On the CPU backend every
+    local worker keeps its KV cache in the host's memory, on a node the
+    plugin cannot tell, so each counts on every node (tensor parallel 2 on
+    one node holds two shares there); on a GPU, one worker each. An upper
     bound, so that the ledger never holds less than the devices do."""
     allocated = [int(b) for b in engine_core.model_executor.collective_rpc("kv_cache_limit_allocated")]
     largest = -(-max(allocated, default=allocation.nbytes) // allocation.num_blocks)
-    return max(1, -(-max(1, workers) // max(1, devices))) * largest
+    shares = workers if cpu else -(-workers // max(1, devices))
+    return max(1, shares) * largest
 
 
 def _worker_pages(engine_core: Any, keep: int, num_blocks: int, release: bool) -> int:
