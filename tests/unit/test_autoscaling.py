@@ -68,7 +68,8 @@ class Engine:
         self.withheld = set(range(max(self.limit, self.in_use_up_to), BLOCKS))
 
 
-def autoscaler(engine: Engine, budget: int | None, floor: int = 20) -> autoscaling.Autoscaler:
+def autoscaler(engine: Engine, budget: int | None, floor: int = 20, workers: int = 1) -> autoscaling.Autoscaler:
+    """``workers``: how many of its workers keep their KV cache on the device."""
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=BPB, blocks_per_request=8, max_model_len=128)
     return autoscaling.Autoscaler(
         allocation=allocation,
@@ -78,7 +79,15 @@ def autoscaler(engine: Engine, budget: int | None, floor: int = 20) -> autoscali
         group_caps=[(BLOCK_SIZE, 8)],
         max_model_len=128,
         budget=budget,
+        device_bytes_per_block=workers * BPB,
     )
+
+
+def join_refused(scaler: autoscaling.Autoscaler, folder: Path) -> str:
+    """The message of the cap error joining the ledger raises."""
+    with pytest.raises(KVCacheMaxMemoryError) as refused:
+        autoscaling.join(scaler, DEVICES, str(folder))
+    return str(refused.value)
 
 
 def started(engine: Engine, scaler: autoscaling.Autoscaler, folder: Path) -> autoscaling.Autoscaler:
@@ -226,9 +235,7 @@ def test_under_contention_the_budget_is_split_and_nobody_takes_it_back_at_once(p
 
 def test_a_different_budget_is_refused_quoting_both(pair, tmp_path: Path) -> None:
     c = Engine()
-    with pytest.raises(KVCacheMaxMemoryError) as refused:
-        autoscaling.join(autoscaler(c, 200 * BPB), DEVICES, str(tmp_path))
-    message = str(refused.value)
+    message = join_refused(autoscaler(c, 200 * BPB), tmp_path)
     assert "--kv-cache-shared-budget 200KiB (204800 bytes) differs from the 300KiB (307200 bytes)" in message
     assert "must give the same budget" in message
 
@@ -238,9 +245,7 @@ def test_a_budget_below_the_floors_is_refused_quoting_them(tmp_path: Path) -> No
     sa = started(a, autoscaler(a, 50 * BPB, floor=30), tmp_path)
     try:
         b = Engine()
-        with pytest.raises(KVCacheMaxMemoryError) as refused:
-            autoscaling.join(autoscaler(b, 50 * BPB, floor=30), DEVICES, str(tmp_path))
-        message = str(refused.value)
+        message = join_refused(autoscaler(b, 50 * BPB, floor=30), tmp_path)
         assert "--kv-cache-shared-budget 50KiB (51200 bytes) is below the floors" in message
         assert "this one's 30KiB" in message and "at least 60KiB (61440 bytes)" in message
     finally:
@@ -317,9 +322,7 @@ def test_a_ledger_this_instance_may_not_write_is_refused_quoting_it(
     monkeypatch.setattr(budget, "_open_regular", refuse_entries)
     engine = Engine()
     scaler = autoscaler(engine, 300 * BPB)
-    with pytest.raises(KVCacheMaxMemoryError) as refused:
-        autoscaling.join(scaler, DEVICES, str(tmp_path))
-    message = str(refused.value)
+    message = join_refused(scaler, tmp_path)
     assert f"--kv-cache-shared-budget: the ledger in {tmp_path} cannot be used" in message, message
     assert "Permission denied" in message and "VLLM_KV_CACHE_LIMIT_LOCK_DIR" in message, message
     assert scaler.ledgers == []  # closed: no descriptor left
@@ -331,9 +334,7 @@ def test_workers_sharing_a_device_count_once_each_in_its_ledger(tmp_path: Path) 
     limit grows only as far as the budget holds both workers' blocks."""
     budget = 300 * BPB
     a, b = Engine(), Engine()
-    tp2 = autoscaler(a, budget)
-    tp2.device_bytes_per_block = 2 * BPB
-    sa = started(a, tp2, tmp_path)
+    sa = started(a, autoscaler(a, budget, workers=2), tmp_path)
     sb = started(b, autoscaler(b, budget), tmp_path)
     try:
         a.demand(250)
@@ -364,22 +365,14 @@ def test_a_budget_below_the_floors_counts_every_worker_on_the_device(tmp_path: P
     a = Engine()
     sa = started(a, autoscaler(a, 50 * BPB, floor=20), tmp_path)
     try:
-        tp2 = autoscaler(Engine(), 50 * BPB, floor=20)
-        tp2.device_bytes_per_block = 2 * BPB
-        with pytest.raises(KVCacheMaxMemoryError) as refused:
-            autoscaling.join(tp2, DEVICES, str(tmp_path))
+        message = join_refused(autoscaler(Engine(), 50 * BPB, floor=20, workers=2), tmp_path)
         # 20 blocks on each of two workers, and the other's 20: 60 blocks of 1KiB.
-        message = str(refused.value)
         assert "this one's 40KiB (its workers' floors on the device together) and 1 other(s)' 20KiB" in message
         assert "at least 60KiB" in message, message
     finally:
         sa.close()
     # Alone on the device, its workers' floors alone can be above the budget.
-    alone = autoscaler(Engine(), 30 * BPB, floor=20)
-    alone.device_bytes_per_block = 2 * BPB
-    with pytest.raises(KVCacheMaxMemoryError) as refused:
-        autoscaling.join(alone, DEVICES, str(tmp_path))
-    message = str(refused.value)
+    message = join_refused(autoscaler(Engine(), 30 * BPB, floor=20, workers=2), tmp_path)
     assert "host memory node 0: this one's 40KiB (its workers' floors on the device together). Give" in message
 
 
