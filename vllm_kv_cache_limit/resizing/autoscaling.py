@@ -263,7 +263,7 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
             with scaler.transaction() as views:
                 scaler.others = _instances(views)
                 _check_others(
-                    scaler.budget, floor, scaler.others, devices, scaler.unit > scaler.allocation.bytes_per_block
+                    scaler.budget, floor, scaler.others, devices, scaler.unit >= 2 * scaler.allocation.bytes_per_block
                 )
                 free = scaler.budget - max((sum(int(o["holds"]) for o in view.others) for view in views), default=0)
                 if free >= floor:
