@@ -399,3 +399,43 @@ def test_a_block_on_a_device_counts_its_largest_worker_times_its_workers(
     core = type("Core", (), {"model_executor": executor})()
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=BPB, blocks_per_request=8, max_model_len=128)
     assert _device_bytes_per_block(core, allocation, devices, workers, cpu) == expected
+
+
+def test_instances_with_one_label_are_each_counted(tmp_path: Path) -> None:
+    """Two containers of one Kubernetes pod share a host name and may give
+    their engine cores the same pid in their own PID namespaces: labels are
+    for people, and every instance is counted however it is named (here
+    three in one process, one label)."""
+    budget = 300 * BPB
+    engines = [Engine() for _ in range(3)]
+    scalers = [started(engine, autoscaler(engine, budget), tmp_path) for engine in engines]
+    (a, b, c), (sa, sb, sc) = engines, scalers
+    try:
+        assert len({ledger.label for s in scalers for ledger in s.ledgers}) == 1  # the premise
+        a.demand(100)
+        tick(a, sa, 100.0)
+        b.demand(100)
+        tick(b, sb, 100.0)
+        c.demand(250)
+        tick(c, sc, 100.0)
+        assert len(sc.others) == 2, sc.others
+        assert (a.limit + b.limit + c.limit) * BPB <= budget, (a.calls, b.calls, c.calls)
+    finally:
+        for scaler in scalers:
+            scaler.close()
+
+
+def test_an_instance_on_two_devices_counts_once(tmp_path: Path) -> None:
+    two = [*DEVICES, ("cpu-node1", "host memory node 1")]
+    engines = [Engine(), Engine()]
+    scalers = [autoscaler(engine, 300 * BPB) for engine in engines]
+    try:
+        for scaler in scalers:
+            autoscaling.join(scaler, two, str(tmp_path))
+        # Each sees the other in both ledgers, with one id: one instance.
+        with scalers[1].transaction() as views:
+            assert [len(view.others) for view in views] == [1, 1]
+            assert len(autoscaling._instances(views)) == 1
+    finally:
+        for scaler in scalers:
+            scaler.close()

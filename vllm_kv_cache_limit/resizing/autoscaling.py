@@ -8,6 +8,7 @@ on the engine core's input queue are in ``resizing.engine_core``.
 from __future__ import annotations
 
 import contextlib
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +57,10 @@ class Autoscaler:
     workers there (two tensor-parallel workers on one CPU memory node hold
     twice a worker's share): the unit of its ledger entries. 0: one worker's."""
     ledgers: list[Ledger] = field(default_factory=list)
+    instance: str = field(default_factory=lambda: secrets.token_hex(8))
+    """This instance's id in its entries on every device, so that one on
+    several devices counts once (labels are for people: two containers of
+    one pod can share a host name and a pid)."""
     held: int = 0
     """Blocks this instance's ledger entry holds (its limit, or while a
     lowered limit drains, the one it had)."""
@@ -196,6 +201,7 @@ class Autoscaler:
         """This instance's entry in every ledger, unless it is unchanged."""
         unit = self.unit
         record = {
+            "instance": self.instance,
             "budget": self.budget,
             "floor": self.floor * unit,
             "holds": self.held * unit,
@@ -227,11 +233,12 @@ class Autoscaler:
 
 def _instances(views: list[View]) -> list[dict[str, Any]]:
     """The other instances in the ledgers of this instance's devices, each
-    once (a tensor-parallel instance has an entry in every device's ledger)."""
+    once (a tensor-parallel instance has an entry in every device's ledger,
+    all with its id); an entry without an id counts on its own."""
     found: dict[str, dict[str, Any]] = {}
     for view in views:
         for record in view.others:
-            found.setdefault(str(record.get("label")), record)
+            found.setdefault(str(record.get("instance") or f"entry {len(found)}"), record)
     return list(found.values())
 
 
