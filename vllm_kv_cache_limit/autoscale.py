@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from vllm_kv_cache_limit import envs
 from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
-from vllm_kv_cache_limit.resize import NULL_BLOCKS
+from vllm_kv_cache_limit.resize import NULL_BLOCKS, Allocation
 from vllm_kv_cache_limit.sizes import format_size
 
 HEADROOM = 0.25
@@ -144,6 +144,18 @@ def give_back(me: Share, others: list[Share], budget: int) -> int | None:
     # Give no more than the others need beyond what is free.
     keep = max(keep, me.holds - (needy - max(0, free)))
     return keep if keep < me.holds else None
+
+
+def device_bytes_per_block(allocation: Allocation, devices: int, workers: int, cpu: bool) -> int:
+    """Bytes a block of the limit takes on one device: the largest worker's
+    share, times the workers a device may hold. On the CPU backend every
+    local worker keeps its KV cache in the host's memory, on a node the
+    plugin cannot tell, so each counts on every node (tensor parallel 2 on
+    one node holds two shares there); on a GPU, one worker each. An upper
+    bound, so that the ledger never holds less than the devices do."""
+    largest = allocation.largest_bytes_per_block or allocation.bytes_per_block
+    shares = workers if cpu else -(-workers // max(1, devices))
+    return max(1, shares) * largest
 
 
 def fits_floors(floor: int, other_floors: list[int], budget: int) -> bool:

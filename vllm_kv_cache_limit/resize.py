@@ -39,6 +39,9 @@ class Allocation:
     blocks_per_request: int
     """Blocks one request of ``max_model_len`` tokens needs (all groups)."""
     max_model_len: int
+    largest_bytes_per_block: int = 0
+    """Bytes of one block on the worker that holds the most (pipeline stages
+    can differ), rounded up; 0: ``bytes_per_block``."""
 
     @property
     def nbytes(self) -> int:

@@ -16,6 +16,7 @@ from vllm_kv_cache_limit.autoscale import (
     Scaler,
     Share,
     check_settings,
+    device_bytes_per_block,
     entitlement,
     fits_floors,
     give_back,
@@ -23,7 +24,7 @@ from vllm_kv_cache_limit.autoscale import (
     shrink_after_s,
 )
 from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
-from vllm_kv_cache_limit.resize import NULL_BLOCKS
+from vllm_kv_cache_limit.resize import NULL_BLOCKS, Allocation
 
 GiB = 2**30
 MiB = 2**20
@@ -476,3 +477,30 @@ def test_shrink_after_s_refuses_bad_values_quoting_them(raw: str) -> None:
     with pytest.raises(KVCacheMaxMemoryError) as info:
         shrink_after_s({envs.SHRINK_AFTER_S: raw})
     assert f"{envs.SHRINK_AFTER_S}={raw!r}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("smallest", "largest", "devices", "workers", "cpu", "expected"),
+    [
+        (1024, 0, 1, 1, True, 1024),
+        # Tensor parallel 2 on one CPU memory node: two shares on it.
+        (1024, 1024, 1, 2, True, 2048),
+        # Two memory nodes: where each worker's pages lie is not known, so both count on each.
+        (1024, 1024, 2, 2, True, 2048),
+        # One worker a GPU.
+        (1024, 1024, 2, 2, False, 1024),
+        # Pipeline stages of unequal size on one node: the larger, twice (an upper bound).
+        (512, 1536, 1, 2, True, 3072),
+    ],
+)
+def test_a_block_on_a_device_counts_its_largest_worker_times_its_workers(
+    smallest: int, largest: int, devices: int, workers: int, cpu: bool, expected: int
+) -> None:
+    allocation = Allocation(
+        num_blocks=400,
+        bytes_per_block=smallest,
+        blocks_per_request=8,
+        max_model_len=128,
+        largest_bytes_per_block=largest,
+    )
+    assert device_bytes_per_block(allocation, devices, workers, cpu) == expected

@@ -376,31 +376,6 @@ def test_a_budget_below_the_floors_counts_every_worker_on_the_device(tmp_path: P
     assert "host memory node 0: this one's 40KiB (its workers' floors on the device together). Give" in message
 
 
-@pytest.mark.parametrize(
-    ("allocated", "devices", "workers", "cpu", "expected"),
-    [
-        ([BLOCKS * BPB], 1, 1, True, BPB),
-        # Tensor parallel 2 on one CPU memory node: two shares on it.
-        ([BLOCKS * BPB] * 2, 1, 2, True, 2 * BPB),
-        # Two memory nodes: where each worker's pages lie is not known, so both count on each.
-        ([BLOCKS * BPB] * 2, 2, 2, True, 2 * BPB),
-        # One worker a GPU.
-        ([BLOCKS * BPB] * 2, 2, 2, False, BPB),
-        # Pipeline stages of unequal size on one node: the larger, twice (an upper bound).
-        ([BLOCKS * BPB * 3 // 2, BLOCKS * BPB // 2], 1, 2, True, 3 * BPB),
-    ],
-)
-def test_a_block_on_a_device_counts_its_largest_worker_times_its_workers(
-    allocated: list[int], devices: int, workers: int, cpu: bool, expected: int
-) -> None:
-    from vllm_kv_cache_limit.resizing.engine_core import _device_bytes_per_block
-
-    executor = type("Executor", (), {"collective_rpc": lambda self, method: allocated})()
-    core = type("Core", (), {"model_executor": executor})()
-    allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=BPB, blocks_per_request=8, max_model_len=128)
-    assert _device_bytes_per_block(core, allocation, devices, workers, cpu) == expected
-
-
 def test_instances_with_one_label_are_each_counted(tmp_path: Path) -> None:
     """Two containers of one Kubernetes pod share a host name and may give
     their engine cores the same pid in their own PID namespaces: labels are

@@ -13,7 +13,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kv_cache_limit import compat, resize
-from vllm_kv_cache_limit.autoscale import Policy, Scaler, shrink_after_s
+from vllm_kv_cache_limit.autoscale import Policy, Scaler, device_bytes_per_block, shrink_after_s
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError, KVCacheResizeError
 from vllm_kv_cache_limit.patches.devices import instance_devices
@@ -171,16 +171,17 @@ def _read_allocation(engine_core: Any) -> Allocation:
     num_blocks = config.num_blocks
     # What each worker really holds (the distinct storages of its KV cache
     # tensors): the config's tensors can share one allocation (hybrid models).
-    total = min(int(b) for b in engine_core.model_executor.collective_rpc("kv_cache_limit_allocated"))
+    allocated = [int(b) for b in engine_core.model_executor.collective_rpc("kv_cache_limit_allocated")]
     per_request = 0
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
         per_request += -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
     return Allocation(
         num_blocks=num_blocks,
-        bytes_per_block=total // num_blocks,
+        bytes_per_block=min(allocated) // num_blocks,
         blocks_per_request=per_request,
         max_model_len=vllm_config.model_config.max_model_len,
+        largest_bytes_per_block=-(-max(allocated) // num_blocks),
     )
 
 
@@ -400,7 +401,7 @@ def _autoscale_start(self: Any) -> None:
         from vllm.platforms import current_platform
 
         cpu = current_platform.is_cpu()
-        scaler.device_bytes_per_block = _device_bytes_per_block(self, allocation, len(devices), workers, cpu)
+        scaler.device_bytes_per_block = device_bytes_per_block(allocation, len(devices), workers, cpu)
         autoscaling.join(scaler, [(d.key, d.label) for d in devices])
     reply = _set_limit(self, floor * bpb, "drain", log=False)
     if resize.is_error(reply):
@@ -426,19 +427,6 @@ def _autoscale_start(self: Any) -> None:
 
     if isinstance(self, EngineCoreProc):  # an idle engine core blocks on its input queue: wake it
         autoscaling.start_waking(self, scaler, EngineCoreRequestType.WAKEUP)
-
-
-def _device_bytes_per_block(engine_core: Any, allocation: Allocation, devices: int, workers: int, cpu: bool) -> int:
-    """Bytes a block of the limit takes on one device: the largest worker's
-    share, times the workers a device may hold. On the CPU backend every
-    local worker keeps its KV cache in the host's memory, on a node the
-    plugin cannot tell, so each counts on every node (tensor parallel 2 on
-    one node holds two shares there); on a GPU, one worker each. An upper
-    bound, so that the ledger never holds less than the devices do."""
-    allocated = [int(b) for b in engine_core.model_executor.collective_rpc("kv_cache_limit_allocated")]
-    largest = -(-max(allocated, default=allocation.nbytes) // allocation.num_blocks)
-    shares = workers if cpu else -(-workers // max(1, devices))
-    return max(1, shares) * largest
 
 
 def _worker_pages(engine_core: Any, keep: int, num_blocks: int, release: bool) -> int:
