@@ -448,6 +448,47 @@ def ledger_holds(locks: Path) -> list[int]:
     return holds
 
 
+def live_ledger_entries(locks: Path) -> int:
+    """Ledger entries whose lock a live process holds, read as an outside
+    reader would: an entry it can lock has no live owner."""
+    import fcntl
+
+    live = 0
+    for entry in locks.glob("budget-*/*.entry"):
+        try:
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            live += 1
+        finally:
+            os.close(fd)
+    return live
+
+
+def locked_ledger_holds(locks: Path) -> list[list[int]]:
+    """Per budget ledger of ``locks``, the holds of its entries read under
+    the ledger's own lock, as the instances read it: one consistent
+    snapshot per ledger, which no grow or give-back is halfway through."""
+    import fcntl
+
+    snapshots = []
+    for folder in sorted(locks.glob("budget-*")):
+        fd = os.open(folder / "ledger.lock", os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            holds = []
+            for entry in sorted(folder.glob("*.entry")):
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    holds.append(int(json.loads(entry.read_text())["holds"]))
+            snapshots.append(holds)
+        finally:
+            os.close(fd)  # drops the lock
+    return snapshots
+
+
 def metric(base: str, name: str) -> float:
     """The sum of metric ``name`` over its label sets on ``base``/metrics."""
     import re

@@ -29,7 +29,7 @@ import pytest
 import requests
 
 from tests.e2e.conftest import api_servers, engine_env, server_args
-from tests.helpers import CompletionLoad, Periodic, ledger_holds, metric
+from tests.helpers import CompletionLoad, Periodic, ledger_holds, live_ledger_entries, metric
 from vllm_kv_cache_limit.sizes import format_size
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.smoke]  # autoscaling is the plugin's; every CPU build
@@ -345,13 +345,13 @@ def test_a_worker_killed_mid_run_takes_its_share_with_it(pair: dict[str, Any]) -
     server = _serving(a)
     with load(a, 2 * CLIENTS):
         wait_for(lambda: status(a)["kv_cache_limit_bytes"] > BUDGET // 2, "A to grow under load")
-        assert _live_entries(locks) == 1 and max(ledger_holds(locks)) > BUDGET // 2, ledger_holds(locks)
+        assert live_ledger_entries(locks) == 1 and max(ledger_holds(locks)) > BUDGET // 2, ledger_holds(locks)
         workers = [
             child for child in server.children(recursive=True) if " ".join(child.cmdline()).startswith("VLLM::Worker")
         ]
         assert len(workers) == 1, workers
         workers[0].kill()
-        wait_for(lambda: _live_entries(locks) == 0, "A's share to go back after its worker died", 120)
+        wait_for(lambda: live_ledger_entries(locks) == 0, "A's share to go back after its worker died", 120)
     assert "died unexpectedly" in log_a.read_text(), log_a.read_text()[-3000:]
 
 
@@ -365,23 +365,3 @@ def _serving(base: str, unshare: bool = False) -> psutil.Process:
         if under == unshare and "--port" in cmdline and cmdline[cmdline.index("--port") + 1] == port:
             return proc
     raise AssertionError(f"no {'unshare' if unshare else 'server'} process serving port {port}")
-
-
-def _live_entries(locks: Path) -> int:
-    """Ledger entries whose lock a live process holds, read as an outside
-    reader would: an entry it can lock has no live owner."""
-    import fcntl
-
-    live = 0
-    for entry in locks.glob("budget-*/*.entry"):
-        try:
-            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            live += 1
-        finally:
-            os.close(fd)
-    return live
