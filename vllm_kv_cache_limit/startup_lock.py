@@ -44,6 +44,10 @@ LOCK_TIMEOUT_ENV = envs.LOCK_TIMEOUT
 DEFAULT_TIMEOUT_S = 600.0
 POLL_S = 0.1
 REPORT_EVERY_S = 30.0
+LABEL_GRACE_S = 2.0
+"""How long a waiter may put off its first report for the holder to write
+its name (it does so right after taking the lock), so the report names it."""
+UNKNOWN_HOLDER = "another process"
 
 
 class LockSetupError(OSError):
@@ -138,8 +142,8 @@ def _holder(fd: int) -> str:
     try:
         text = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
     except OSError:
-        return "another process"
-    return text or "another process"
+        return UNKNOWN_HOLDER
+    return text or UNKNOWN_HOLDER
 
 
 @dataclass
@@ -203,13 +207,11 @@ def _lock_one(fd: int, label: str, path: str, timeout: float) -> bool:
             )
             return False
         if now >= next_report:
-            logger.info(
-                "Waiting for the KV cache start-up lock of %s (%s), held by %s.",
-                label,
-                path,
-                _holder(fd),
-            )
-            next_report = now + REPORT_EVERY_S
+            holder = _holder(fd)
+            if holder != UNKNOWN_HOLDER or now - started >= LABEL_GRACE_S:
+                logger.info("Waiting for the KV cache start-up lock of %s (%s), held by %s.", label, path, holder)
+                next_report = now + REPORT_EVERY_S
+            # else: the holder writes its name just after it takes the lock; look again at the next poll.
         time.sleep(POLL_S)
 
 

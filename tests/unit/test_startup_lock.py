@@ -55,6 +55,37 @@ def test_second_process_waits_for_the_holder_and_names_it(tmp_path: Path, caplog
     assert "released for host memory node 0" in caplog.text
 
 
+def test_waiter_names_a_holder_that_writes_its_name_just_after_locking(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder takes the lock, then writes its name: a waiter that came in
+    between still names it, not "another process"."""
+    import fcntl
+    import threading
+
+    startup_lock.acquire([("cpu-node0", "host memory node 0")], folder=str(tmp_path), timeout=0).release()
+    fd = os.open(tmp_path / startup_lock.lock_name("cpu-node0"), os.O_RDWR | os.O_NOFOLLOW)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+
+    def late_holder() -> None:
+        time.sleep(0.3)
+        os.pwrite(fd, b"late-host pid 7 since 0", 0)
+        time.sleep(0.7)
+        os.ftruncate(fd, 0)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+    thread = threading.Thread(target=late_holder)
+    thread.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
+            startup_lock.acquire([("cpu-node0", "host memory node 0")], folder=str(tmp_path), timeout=30).release()
+    finally:
+        thread.join()
+        os.close(fd)
+    assert "held by late-host pid 7 since 0" in caplog.text, caplog.text
+    assert "held by another process" not in caplog.text, caplog.text
+
+
 def test_timeout_starts_without_the_lock_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     holder = hold(tmp_path, "GPU-abc", 10)
     try:
