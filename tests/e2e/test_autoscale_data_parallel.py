@@ -10,7 +10,6 @@ most the budget; no request fails; idle, both fall to their floor."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 import requests
 
 from tests.e2e.conftest import api_servers, engine_env, server_args
+from tests.e2e.test_autoscale import wait_for
 from tests.helpers import CompletionLoad, Periodic, live_ledger_entries, locked_ledger_holds
 
 pytestmark = [pytest.mark.plugin_only]  # autoscaling is the plugin's
@@ -35,8 +35,6 @@ each in float32) a request, so 12 clients on one rank ask for about 36 MiB,
 more than the budget."""
 MAX_TOKENS = 100
 ROUTE = "/kv_cache/max_memory"
-BOUND_S = 240
-"""What a change of phase may take on the 2-core test machine."""
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +73,6 @@ def limits(base: str) -> list[int]:
 
 def on_rank(base: str, rank: int) -> CompletionLoad:
     return CompletionLoad(base, CLIENTS, PROMPT, MAX_TOKENS, headers={"X-data-parallel-rank": str(rank)})
-
-
-def wait_for(condition: Any, what: str, timeout: float = BOUND_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class LedgerSampler(Periodic):
