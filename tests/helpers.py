@@ -439,12 +439,16 @@ def ledger_holds(locks: Path) -> list[int]:
     """The holds in every budget ledger of the lock folder ``locks``, read as
     an outside reader, without the ledger's lock: a record is rewritten whole,
     and one caught mid-write is left out."""
+    return _entry_holds(locks, "budget-*/*.entry")
+
+
+def _entry_holds(folder: Path, pattern: str) -> list[int]:
+    """The ``holds`` of the ledger entries matching ``pattern`` under
+    ``folder``, in name order; an entry gone or caught mid-write is left out."""
     holds = []
-    for entry in sorted(locks.glob("budget-*/*.entry")):
-        try:
+    for entry in sorted(folder.glob(pattern)):
+        with contextlib.suppress(OSError, ValueError, KeyError):
             holds.append(int(json.loads(entry.read_text())["holds"]))
-        except (OSError, ValueError, KeyError):
-            continue
     return holds
 
 
@@ -479,11 +483,7 @@ def locked_ledger_holds(locks: Path) -> list[list[int]]:
         fd = os.open(folder / "ledger.lock", os.O_RDONLY | os.O_NOFOLLOW)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            holds = []
-            for entry in sorted(folder.glob("*.entry")):
-                with contextlib.suppress(OSError, ValueError, KeyError):
-                    holds.append(int(json.loads(entry.read_text())["holds"]))
-            snapshots.append(holds)
+            snapshots.append(_entry_holds(folder, "*.entry"))
         finally:
             os.close(fd)  # drops the lock
     return snapshots
