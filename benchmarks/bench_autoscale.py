@@ -471,6 +471,7 @@ def burst_run(server: Server, variant: str, pair: int, args: argparse.Namespace,
         "limit_peak_mib": c.mib(peak),
         "limit_changes": None if changes_before is None else changes_after - changes_before,
         "windows": windows,
+        "ttft_s": ttft,
     }
     print(
         f"bursts pair {pair} {variant}: {c.fmt(row['tokens_per_s'])} tokens/s, TTFT p99 {c.fmt(row['ttft_p99_s'])} s, "
@@ -639,15 +640,38 @@ def summarize_bursts(runs: list[dict]) -> tuple[list[dict], dict]:
         for variant in BURST_VARIANTS
         for key in ("tokens_per_s", "ttft_p99_s")
     }
+    pooled = {v: [t for r in runs if r["variant"] == v for t in r.get("ttft_s", ())] for v in BURST_VARIANTS}
     summary = {
         "tokens_per_s_ratio_median": tps,
         "ttft_p99_ratio_median": p99,
+        "ttft_p99_pooled_ratio": ratio(percentile(pooled["autoscaled"], 99), percentile(pooled["static"], 99)),
+        "ttft_p99_pooled_ratio_90ci": bootstrap_ratio_ci(pooled["autoscaled"], pooled["static"], 99),
+        "ttft_p50_pooled_ratio": ratio(percentile(pooled["autoscaled"], 50), percentile(pooled["static"], 50)),
+        "requests_per_variant": {v: len(t) for v, t in pooled.items()},
         "aim": "within 5%: tokens/s ratio >= 0.95 and p99 TTFT ratio <= 1.05",
         "aim_met": None if tps is None or p99 is None else tps >= 0.95 and p99 <= 1.05,
         "failed_requests": sum(r["failed"] for r in runs),
         **spreads,
     }
     return pairs, summary
+
+
+def bootstrap_ratio_ci(
+    a: list[float], b: list[float], q: float, resamples: int = 2000, seed: int = 0
+) -> list[float] | None:
+    """A 90% bootstrap interval of percentile ``q`` of ``a`` over that of
+    ``b`` (each resampled with replacement, a fixed seed): how far the
+    pooled ratio can be trusted when the requests' own spread is large."""
+    import random
+
+    if not a or not b:
+        return None
+    rng = random.Random(seed)
+    ratios = sorted(
+        percentile(rng.choices(a, k=len(a)), q) / percentile(rng.choices(b, k=len(b)), q)  # type: ignore[operator]
+        for _ in range(resamples)
+    )
+    return [ratios[int(0.05 * resamples)], ratios[int(0.95 * resamples) - 1]]
 
 
 def summarize_budget(rows: list[dict], sampler: Sampler | None, budget: int) -> tuple[list[dict], dict]:
@@ -1046,6 +1070,9 @@ def report_bursts(
         f"{f(bursts['ttft_p99_ratio_median'])}; spread between repeats, (max-min)/median: tokens/s autoscaled "
         f"{f(bursts['autoscaled_tokens_per_s_spread'])}, static {f(bursts['static_tokens_per_s_spread'])}; TTFT p99 "
         f"autoscaled {f(bursts['autoscaled_ttft_p99_s_spread'])}, static {f(bursts['static_ttft_p99_s_spread'])}",
+        f"all requests of a variant pooled ({bursts['requests_per_variant']}), autoscaled/static: TTFT p99 "
+        f"{f(bursts['ttft_p99_pooled_ratio'])} (90% bootstrap interval {bursts['ttft_p99_pooled_ratio_90ci']}), "
+        f"TTFT p50 {f(bursts['ttft_p50_pooled_ratio'])}",
         f"aim: {bursts['aim']}: {verdict(bursts['aim_met'])} (a same-variant spread above 0.05 means the run "
         "cannot resolve it)",
     ]
