@@ -63,6 +63,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import random
 import re
 import signal
 import statistics
@@ -662,8 +663,6 @@ def bootstrap_ratio_ci(
     """A 90% bootstrap interval of percentile ``q`` of ``a`` over that of
     ``b`` (each resampled with replacement, a fixed seed): how far the
     pooled ratio can be trusted when the requests' own spread is large."""
-    import random
-
     if not a or not b:
         return None
     rng = random.Random(seed)
