@@ -193,6 +193,30 @@ def worker_processes(pid: int) -> list[Any]:
     return []
 
 
+def cpu_and_faults(server: Server) -> dict[str, float] | None:
+    """The server's workers' user and system CPU seconds and minor page
+    faults so far (``/proc/PID/stat``), and its engine core's CPU seconds,
+    to tell where a run's time went."""
+    import psutil
+
+    totals = {"user_s": 0.0, "system_s": 0.0, "minor_faults": 0.0, "engine_core_s": 0.0}
+    try:
+        tree = psutil.Process(server.pid).children(recursive=True) if server.pid else []
+        for process in tree:
+            if "::EngineCore" in _title(process):
+                times = process.cpu_times()
+                totals["engine_core_s"] += times.user + times.system
+        for process in worker_processes(server.pid) if server.pid else []:
+            times = process.cpu_times()
+            totals["user_s"] += times.user
+            totals["system_s"] += times.system
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rpartition(")")[2].split()
+            totals["minor_faults"] += int(fields[7])  # minflt, the 10th field of stat
+    except (psutil.Error, OSError, IndexError, ValueError):
+        return None
+    return totals
+
+
 def _rss(processes: Iterable[Any]) -> int | None:
     import psutil
 
@@ -259,6 +283,9 @@ class StreamingLoad(CompletionLoad):
     def __init__(self, base: str, clients: int, prompt: str, max_tokens: int) -> None:
         super().__init__(base, clients, prompt, max_tokens)
         self.ttft_s: list[float] = []
+        self.sent_s: list[float] = []
+        """Per entry of ``ttft_s``: when its request was sent, seconds after the load began."""
+        self.began = time.monotonic()
         self.tokens = 0
 
     def _client(self) -> None:
@@ -305,6 +332,7 @@ class StreamingLoad(CompletionLoad):
                 else:
                     self.done.append(time.monotonic())
                     self.ttft_s.append(first)
+                    self.sent_s.append(started - self.began)
                     self.tokens += self.max_tokens
 
 
@@ -435,7 +463,10 @@ def burst_run(server: Server, variant: str, pair: int, args: argparse.Namespace,
     first = status(base)
     before = metrics(base)
     ttft: list[float] = []
+    by_burst: list[list[float]] = []
+    first_wave: list[float] = []
     at_start: list[int] = []
+    worker_before = cpu_and_faults(server)
     windows: list[tuple[float, float]] = []
     tokens, busy_s, failures = 0, 0.0, 0
     for _ in range(args.bursts):
@@ -447,11 +478,16 @@ def burst_run(server: Server, variant: str, pair: int, args: argparse.Namespace,
         ended = time.monotonic()
         busy_s += ended - started
         ttft += load.ttft_s
+        by_burst.append(list(load.ttft_s))
+        # The first request of each client: sent as the burst began, at the limit the idle left.
+        order = sorted(range(len(load.sent_s)), key=load.sent_s.__getitem__)
+        first_wave += [load.ttft_s[i] for i in order[: args.burst_clients]]
         tokens += load.tokens
         failures += len(load.failures)
         windows.append((sampler.rel(started), sampler.rel(ended)))
         time.sleep(args.idle_s)
     after = metrics(base)
+    worker_after = cpu_and_faults(server)
     last = status(base)
     peak = max((r["limit_bytes"] for w in windows for r in sampler.window(BURST_VARIANTS[variant], *w)), default=None)
     changes_before, changes_after = ((s.get("autoscale") or {}).get("changes") for s in (first, last))
@@ -473,6 +509,11 @@ def burst_run(server: Server, variant: str, pair: int, args: argparse.Namespace,
         "limit_changes": None if changes_before is None else changes_after - changes_before,
         "windows": windows,
         "ttft_s": ttft,
+        "ttft_by_burst_s": by_burst,
+        "ttft_first_wave_s": first_wave,
+        "worker": None
+        if worker_before is None or worker_after is None
+        else {k: worker_after[k] - worker_before[k] for k in worker_before},
     }
     print(
         f"bursts pair {pair} {variant}: {c.fmt(row['tokens_per_s'])} tokens/s, TTFT p99 {c.fmt(row['ttft_p99_s'])} s, "
@@ -642,6 +683,20 @@ def summarize_bursts(runs: list[dict]) -> tuple[list[dict], dict]:
         for key in ("tokens_per_s", "ttft_p99_s")
     }
     pooled = {v: [t for r in runs if r["variant"] == v for t in r.get("ttft_s", ())] for v in BURST_VARIANTS}
+    bursts = max((len(r.get("ttft_by_burst_s", ())) for r in runs), default=0)
+    by_burst = {
+        v: [[t for r in runs if r["variant"] == v for t in r["ttft_by_burst_s"][i]] for i in range(bursts)]
+        for v in BURST_VARIANTS
+    }
+    waves = {v: [t for r in runs if r["variant"] == v for t in r.get("ttft_first_wave_s", ())] for v in BURST_VARIANTS}
+    later = {
+        v: [t for r in runs if r["variant"] == v for t in _without(r.get("ttft_s", []), r.get("ttft_first_wave_s", []))]
+        for v in BURST_VARIANTS
+    }
+    worker = {
+        v: {k: sum(r["worker"][k] for r in runs if r["variant"] == v and r.get("worker")) for k in WORKER_KEYS}
+        for v in BURST_VARIANTS
+    }
     summary = {
         "tokens_per_s_ratio_median": tps,
         "ttft_p99_ratio_median": p99,
@@ -649,12 +704,33 @@ def summarize_bursts(runs: list[dict]) -> tuple[list[dict], dict]:
         "ttft_p99_pooled_ratio_90ci": bootstrap_ratio_ci(pooled["autoscaled"], pooled["static"], 99),
         "ttft_p50_pooled_ratio": ratio(percentile(pooled["autoscaled"], 50), percentile(pooled["static"], 50)),
         "requests_per_variant": {v: len(t) for v, t in pooled.items()},
+        "ttft_p50_pooled_ratio_by_burst": [
+            ratio(percentile(by_burst["autoscaled"][i], 50), percentile(by_burst["static"][i], 50))
+            for i in range(bursts)
+        ],
+        "ttft_p50_pooled_ratio_first_wave": ratio(percentile(waves["autoscaled"], 50), percentile(waves["static"], 50)),
+        "ttft_p50_pooled_ratio_after_first_wave": ratio(
+            percentile(later["autoscaled"], 50), percentile(later["static"], 50)
+        ),
+        "worker_per_variant": worker,
+        "worker_ratio": {k: ratio(worker["autoscaled"][k], worker["static"][k]) for k in WORKER_KEYS},
         "aim": "within 5%: tokens/s ratio >= 0.95 and p99 TTFT ratio <= 1.05",
         "aim_met": None if tps is None or p99 is None else tps >= 0.95 and p99 <= 1.05,
         "failed_requests": sum(r["failed"] for r in runs),
         **spreads,
     }
     return pairs, summary
+
+
+WORKER_KEYS = ("user_s", "system_s", "minor_faults", "engine_core_s")
+
+
+def _without(values: list[float], some: list[float]) -> list[float]:
+    """``values`` less one occurrence of each of ``some``."""
+    rest = list(values)
+    for value in some:
+        rest.remove(value)
+    return rest
 
 
 def bootstrap_ratio_ci(
