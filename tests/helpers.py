@@ -452,13 +452,14 @@ def _entry_holds(folder: Path, pattern: str) -> list[int]:
     return holds
 
 
-def live_ledger_entries(locks: Path) -> int:
+def live_ledger_entries(locks: Path, ledgers: str = "budget-*") -> int:
     """Ledger entries whose lock a live process holds, read as an outside
-    reader would: an entry it can lock has no live owner."""
+    reader would: an entry it can lock has no live owner. ``ledgers``: the
+    ledger folders counted (a pattern; by default every device's)."""
     import fcntl
 
     live = 0
-    for entry in locks.glob("budget-*/*.entry"):
+    for entry in locks.glob(f"{ledgers}/*.entry"):
         try:
             fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:

@@ -40,7 +40,7 @@ def test_llm_autoscaled_starts_at_its_floor_and_grows_for_a_batch(probe, tmp_pat
     ledgers = list(locks.glob("budget-*"))
     assert len(ledgers) == 1 and (ledgers[0] / "ledger.lock").is_file(), sorted(locks.rglob("*"))
     assert not list(ledgers[0].glob("*.entry")), sorted(ledgers[0].iterdir())
-    assert "shared budget 32MiB, others hold 0B (none)" in log, log[-3000:]
+    assert "shared budget 32MiB of host memory node 0 (CPU backend), others hold 0B (none)" in log, log[-3000:]
     assert result["kv_cache_bytes"] == [16 * 2**20]  # allocated at start-up: the most it can grow to
     started = re.search(r"KV cache autoscale on: limit \S+ per worker \(the floor, (\d+) of (\d+) blocks\)", log)
     assert started, log[-3000:]

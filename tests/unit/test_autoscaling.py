@@ -90,8 +90,10 @@ def join_refused(scaler: autoscaling.Autoscaler, folder: Path) -> str:
     return str(refused.value)
 
 
-def started(engine: Engine, scaler: autoscaling.Autoscaler, folder: Path) -> autoscaling.Autoscaler:
-    autoscaling.join(scaler, DEVICES, str(folder))
+def started(
+    engine: Engine, scaler: autoscaling.Autoscaler, folder: Path, devices: list[tuple[str, str]] = DEVICES
+) -> autoscaling.Autoscaler:
+    autoscaling.join(scaler, devices, str(folder))
     engine.set_limit(engine, scaler.floor * BPB, "drain")
     scaler.held = scaler.floor
     return scaler
@@ -414,3 +416,29 @@ def test_an_instance_on_two_devices_counts_once(tmp_path: Path) -> None:
     finally:
         for scaler in scalers:
             scaler.close()
+
+
+def test_instances_on_different_devices_do_not_share_a_budget(tmp_path: Path) -> None:
+    a, b = Engine(), Engine()
+    budget = 300 * BPB
+    sa = started(a, autoscaler(a, budget), tmp_path)
+    sb = started(b, autoscaler(b, budget), tmp_path, [("cpu-node1", "host memory node 1")])
+    try:
+        a.demand(200)
+        b.demand(200)
+        tick(a, sa, 100.0)
+        tick(b, sb, 100.0)
+        # Each alone on its device: both grow past half the budget, neither past it.
+        assert a.limit * BPB > budget // 2 and b.limit * BPB > budget // 2, (a.calls, b.calls)
+        assert max(a.limit, b.limit) * BPB <= budget
+        assert (sa.status()["devices"], sb.status()["devices"]) == (["host memory node 0"], ["host memory node 1"])
+        assert sa.others == [] and sb.others == []
+        assert "shared budget 300KiB of host memory node 1, others hold 0B (none)" in sb._budget_text()
+    finally:
+        sa.close()
+        sb.close()
+
+
+def test_without_a_budget_the_status_names_no_device() -> None:
+    scaler = autoscaler(Engine(), None)
+    assert scaler.status()["devices"] is None and scaler._budget_text() == ""

@@ -57,6 +57,8 @@ class Autoscaler:
     workers there (two tensor-parallel workers on one CPU memory node hold
     twice a worker's share): the unit of its ledger entries. 0: one worker's."""
     ledgers: list[Ledger] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
+    """The devices whose ledgers hold this instance's entries, as people name them."""
     instance: str = field(default_factory=lambda: secrets.token_hex(8))
     """This instance's id in its entries on every device, so that one on
     several devices counts once (labels are for people: two containers of
@@ -161,7 +163,8 @@ class Autoscaler:
             return ""
         others = sum(int(o["holds"]) for o in self.others)
         names = ", ".join(str(o.get("label")) for o in self.others) or "none"
-        return f"; shared budget {format_size(self.budget)}, others hold {format_size(others)} ({names})"
+        where = f" of {', '.join(self.devices)}" if self.devices else ""
+        return f"; shared budget {format_size(self.budget)}{where}, others hold {format_size(others)} ({names})"
 
     def _shares(self, holds: int) -> tuple[Share, list[Share]]:
         unit = self.unit
@@ -221,6 +224,7 @@ class Autoscaler:
             "changes": self.changes,
             "shared_budget": self.budget,
             "held_bytes": self.held * self.unit if self.budget is not None else None,
+            "devices": list(self.devices) if self.budget is not None else None,
             "others": [{k: o.get(k) for k in ("label", "holds", "wants", "floor")} for o in self.others],
         }
 
@@ -264,8 +268,9 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     scaler.scaler.target = scaler.floor
     try:
-        for key, _ in sorted(set(devices)):
+        for key, label in sorted(set(devices)):
             scaler.ledgers.append(Ledger(folder, key))
+            scaler.devices.append(label)
         while True:
             with scaler.transaction() as views:
                 scaler.others = _instances(views)
