@@ -5,7 +5,8 @@ fault plugin, applied as each interpreter starts, as for an instance
 started with ``numactl --cpunodebind=1`` on a host with two nodes). The budget is per device: each takes its start-up
 lock and ledger entry on its own node, neither counts the other, and under
 load at once their limits add up to more than the budget while each stays
-within it."""
+within it. A third instance on node 0 whose floor does not fit in the
+budget beside A's fails at start-up, quoting both, and leaves nothing."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import requests
 
-from tests.e2e.conftest import FIXTURES, api_servers, engine_env, server_args, with_plugins
+from tests import helpers
+from tests.e2e.conftest import ENGINE_TIMEOUT_S, FIXTURES, REPO, api_servers, engine_env, server_args, with_plugins
 from tests.helpers import CompletionLoad, Periodic, live_ledger_entries
 from vllm_kv_cache_limit.budget import folder_name
+from vllm_kv_cache_limit.sizes import format_size
 from vllm_kv_cache_limit.startup_lock import lock_name
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.smoke]  # autoscaling is the plugin's; every CPU build
@@ -70,7 +74,7 @@ def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     env_a = {**env, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, binds[0]))}
     env_b = {**env, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, binds[1])), "KVCL_TEST_MEMORY_NODE": "1"}
     with api_servers({"a": (args, env_a), "b": (args, env_b)}, folder) as running:
-        yield {"servers": running, "locks": locks}
+        yield {"servers": running, "locks": locks, "args": args, "env": env_a, "folder": folder}
 
 
 def status(base: str) -> dict[str, Any]:
@@ -131,3 +135,44 @@ def test_instances_on_two_devices_each_have_the_whole_budget(servers: dict[str, 
     assert all(s["others"] == 0 for s in samples), samples
     for load in loads:
         assert load.failures == [] and load.done, load.failures[:3]
+
+
+def test_a_floor_that_does_not_fit_beside_the_others_fails_at_start_up(servers: dict[str, Any]) -> None:
+    a = servers["servers"]["a"][0]
+    locks: Path = servers["locks"]
+    floor_a = status(a)["autoscale"]["floor_bytes"]
+    floor_c = 23 * MiB
+    # The premise: C's floor fits its cap and the budget alone, not beside A's.
+    assert floor_c <= BUDGET < floor_c + floor_a, floor_a
+    args = [*servers["args"], "--kv-cache-min-memory", "23M"]
+    with helpers.api_servers({"c": (args, servers["env"])}, servers["folder"], ENGINE_TIMEOUT_S, REPO) as running:
+        c = running["c"]
+        log = c.log_path.read_text()
+        assert c.ready_s is None and c.returncode not in (None, 0), log[-3000:]
+        least = floor_c + floor_a
+        assert (
+            f"--kv-cache-shared-budget 24MiB ({BUDGET} bytes) is below the floors of the instances on host memory "
+            f"node 0 (CPU backend): this one's 23MiB and 1 other(s)' {format_size(floor_a)}"
+        ) in log, log[-3000:]
+        assert f"Give a budget of at least {format_size(least)} ({least} bytes)" in log, log[-3000:]
+        assert c.pid is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and _in_group(c.pid):
+            time.sleep(0.5)
+        assert not _in_group(c.pid), "processes of the refused server are left"
+    # Nothing of C is left in the ledger, and A and B keep theirs.
+    for node in (NODE_A, NODE_B):
+        assert live_ledger_entries(locks, folder_name(node)) == 1, sorted(locks.rglob("*"))
+    assert status(a)["autoscale"]["others"] == []
+
+
+def _in_group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process.pid)
+        except (OSError, psutil.Error):
+            continue
+    return found
