@@ -537,6 +537,12 @@ def run_bursts(servers: dict[str, Server], args: argparse.Namespace, prompt: str
     runs = []
     chosen = {BURST_AUTO: auto, BURST_STATIC: servers[BURST_STATIC]}
     with Sampler("bursts", chosen, args.sample_s) as sampler:
+        if args.warm_up_s > 0:
+            # Not measured: each server's first load in the session (the first
+            # run of pair 0 is always the autoscaled one) meets its cold costs here.
+            for name in (BURST_AUTO, BURST_STATIC):
+                with StreamingLoad(servers[name].base, args.burst_clients, prompt, args.burst_max_tokens):
+                    time.sleep(args.warm_up_s)
         for pair in range(args.pairs):
             order = ["autoscaled", "static"] if pair % 2 == 0 else ["static", "autoscaled"]
             for variant in order:
@@ -921,6 +927,12 @@ def parse_args() -> argparse.Namespace:
         "--idle-s", type=float, default=8.0, help="seconds idle after each burst, above --shrink-after-s (default 8)"
     )
     bursts.add_argument("--pairs", type=int, default=2, help="autoscaled/static run pairs, ABBA order (default 2)")
+    bursts.add_argument(
+        "--warm-up-s",
+        type=float,
+        default=0.0,
+        help="seconds of the burst load on each server before the pairs, not measured (default 0: none)",
+    )
     budget = parser.add_argument_group("measurement 3: two servers, alternating load, one budget")
     budget.add_argument(
         "--budget", default="32M", help="the shared budget S; caps S (shared pair) and S/2 (half split); default 32M"
