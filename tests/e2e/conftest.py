@@ -220,6 +220,25 @@ def server_args(model: str, cap: str | None = None, utilization: float | None = 
     return [*args, *extra]
 
 
+def budget_server_args(model: str, cap: int, budget: int, max_model_len: int, *extra: str) -> list[str]:
+    """:func:`server_args` of an autoscaled server under a shared budget
+    (``cap`` and ``budget`` in bytes, whole MiB), 64 sequences at most."""
+    mib = 2**20
+    return server_args(
+        model,
+        f"{cap // mib}M",
+        None,
+        "--kv-cache-autoscale",
+        "--kv-cache-shared-budget",
+        f"{budget // mib}M",
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        "64",
+        *extra,
+    )
+
+
 def complete(base: str, prompt: str = "Hello, my name is", max_tokens: int = 16) -> dict[str, Any]:
     """One greedy completion of exactly ``max_tokens`` tokens from the server at ``base``."""
     import requests

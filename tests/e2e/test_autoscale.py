@@ -28,7 +28,7 @@ import psutil
 import pytest
 import requests
 
-from tests.e2e.conftest import api_servers, engine_env, server_args
+from tests.e2e.conftest import api_servers, budget_server_args, engine_env
 from tests.helpers import CompletionLoad, Periodic, ledger_holds, live_ledger_entries, metric
 from vllm_kv_cache_limit.sizes import format_size
 
@@ -85,19 +85,8 @@ def pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         pytest.fail("unshare --pid --fork --mount-proc --uts does not run here; the container case needs it")
     folder = tmp_path_factory.mktemp("autoscale")
     locks = folder / "locks"
-    args = server_args(
-        tiny_model,
-        f"{CAP // MiB}M",
-        None,
-        "--kv-cache-autoscale",
-        "--kv-cache-shared-budget",
-        f"{BUDGET // MiB}M",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-seqs",
-        "64",
-        "--worker-extension-cls",
-        "tests.helpers.KVCacheProbe",
+    args = budget_server_args(
+        tiny_model, CAP, BUDGET, MAX_MODEL_LEN, "--worker-extension-cls", "tests.helpers.KVCacheProbe"
     )
     env = engine_env(
         VLLM_SERVER_DEV_MODE="1",

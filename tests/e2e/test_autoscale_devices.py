@@ -21,7 +21,15 @@ import pytest
 import requests
 
 from tests import helpers
-from tests.e2e.conftest import ENGINE_TIMEOUT_S, FIXTURES, REPO, api_servers, engine_env, server_args, with_plugins
+from tests.e2e.conftest import (
+    ENGINE_TIMEOUT_S,
+    FIXTURES,
+    REPO,
+    api_servers,
+    budget_server_args,
+    engine_env,
+    with_plugins,
+)
 from tests.helpers import CompletionLoad, Periodic, live_ledger_entries
 from vllm_kv_cache_limit.budget import folder_name
 from vllm_kv_cache_limit.sizes import format_size
@@ -50,18 +58,7 @@ NODE_A, NODE_B = "cpu-node0", "cpu-node1"
 def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("devices")
     locks = folder / "locks"
-    args = server_args(
-        tiny_model,
-        f"{CAP // MiB}M",
-        None,
-        "--kv-cache-autoscale",
-        "--kv-cache-shared-budget",
-        f"{BUDGET // MiB}M",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-seqs",
-        "64",
-    )
+    args = budget_server_args(tiny_model, CAP, BUDGET, MAX_MODEL_LEN)
     env = engine_env(
         VLLM_KV_CACHE_LIMIT_LOCK_DIR=str(locks),
         PYTHONPATH=with_plugins(FIXTURES / "fault_plugin", FIXTURES / "early_faults"),
