@@ -36,6 +36,7 @@ HOOKED_MODULES: dict[str, tuple[str, ...]] = {
     "vllm.v1.worker.cpu_worker": ("patches.cpu_worker:patch",),
     "vllm.v1.core.block_pool": ("resizing.block_pool:patch",),
     "vllm.v1.worker.worker_base": ("resizing.worker:patch",),
+    "vllm.v1.engine.core_client": ("resizing.client:patch",),
     "vllm.entrypoints.common.cli_args": ("resizing.server:patch_arg_parser",),  # vLLM 0.33
     "vllm.entrypoints.launchers.cli_args": ("resizing.server:patch_arg_parser",),  # vLLM 0.29-0.32
     "vllm.entrypoints.launchers.app": ("resizing.server:patch_app",),

@@ -204,6 +204,21 @@ def check_settings(cap: int | None, enabled: bool, min_memory: int | None, share
         )
 
 
+def check_executor(enabled: bool, backend: object, ranks: int) -> None:
+    """Refuse autoscaling where the ranks of one model each run an engine of
+    their own in lockstep (``external_launcher`` with tensor or pipeline
+    parallel): they must schedule alike, and a limit each rank sets by its
+    own clock would make their schedules differ, each waiting for the
+    others' collectives."""
+    if enabled and backend == "external_launcher" and ranks > 1:
+        raise KVCacheMaxMemoryError(
+            f"{AUTOSCALE_FLAG} cannot run with --distributed-executor-backend external_launcher and {ranks} "
+            "tensor- or pipeline-parallel ranks: each rank's process schedules on its own and must schedule "
+            "as the others do, and an autoscaled limit changes at a different moment in each. Leave out "
+            f"{AUTOSCALE_FLAG} (a fixed --kv-cache-max-memory works there), or use the mp or ray backend."
+        )
+
+
 def shrink_after_s(environ: Mapping[str, str] | None = None) -> float:
     """``VLLM_KV_CACHE_LIMIT_SHRINK_AFTER_S``: the hysteresis, in seconds."""
     try:

@@ -128,3 +128,100 @@ def test_floor_that_cannot_hold_one_request_fails_at_startup_quoted(probe) -> No
     assert "--kv-cache-min-memory 300KiB is refused" in message, message
     assert "one request of max_model_len 512 needs 4 blocks" in message, message
     assert re.search(r"Choose a size of at least \S+ \(\d+ bytes\)", message), message
+
+
+IN_PROCESS = """
+import json, os, sys, time
+from pathlib import Path
+sys.path.insert(0, os.getcwd())  # the repository's root: tests.helpers
+from vllm import LLM, SamplingParams
+import vllm_kv_cache_limit as kvl
+from tests.helpers import enter_engine_process, kv_cache_resident_bytes, ledger_holds, live_ledger_entries
+
+def rss_fall(worker):
+    # How far the worker's RSS fell at its last release, measured around its madvise calls.
+    return int(getattr(worker, "_kvcl_rss_fall", 0))
+
+if __name__ == "__main__":
+    enter_engine_process()
+    spec = json.loads(sys.argv[1])
+    locks = Path(os.environ["VLLM_KV_CACHE_LIMIT_LOCK_DIR"])
+    llm = LLM(spec["model"], kv_cache_max_memory="16M", kv_cache_autoscale=True, kv_cache_shared_budget="32M",
+              max_model_len=512, enforce_eager=True, seed=0)
+    params = SamplingParams(max_tokens=16, temperature=0)
+    texts = lambda: [o.outputs[0].text for o in llm.generate(spec["prompts"], params, use_tqdm=False)]
+    result = {"client": type(llm.llm_engine.engine_core).__name__, "first": texts()}
+    result["busy"] = kvl.kv_cache_limit_status(llm)
+    result["busy_holds"] = ledger_holds(locks)
+    result["busy_resident"] = llm.collective_rpc(kv_cache_resident_bytes)
+    # Idle: no call into the engine at all, and the ledger read from outside.
+    time.sleep(spec["idle_s"])
+    result["idle_holds"] = ledger_holds(locks)
+    result["idle"] = kvl.kv_cache_limit_status(llm)
+    result["idle_resident"] = llm.collective_rpc(kv_cache_resident_bytes)
+    result["rss_fall"] = llm.collective_rpc(rss_fall)
+    # Calls again, while the timer decides between them: the same greedy outputs.
+    result["second"] = texts()
+    result["again"] = kvl.kv_cache_limit_status(llm)
+    llm.llm_engine.engine_core.shutdown()
+    result["entries_after"] = len(list(locks.glob("budget-*/*.entry"))) + live_ledger_entries(locks)
+    print("RESULT " + json.dumps(result), flush=True)
+"""
+
+
+def test_in_process_engine_falls_to_its_floor_while_the_caller_makes_no_call(tiny_model: str, tmp_path: Path) -> None:
+    """vLLM's in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+    takes a step only inside the caller's calls: idle, its own timer lowers
+    the limit to the floor, gives the budget back in the ledger and returns
+    the pages to the OS, and calls made while it decides are unaffected."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.helpers import engine_env
+
+    locks = tmp_path / "locks"
+    driver = tmp_path / "driver.py"
+    driver.write_text(IN_PROCESS)
+    spec = {"model": tiny_model, "prompts": [f"{i} {PROMPT}" for i in range(12)], "idle_s": 6}
+    run = subprocess.run(
+        [sys.executable, str(driver), json.dumps(spec)],
+        env=engine_env(
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_KV_CACHE_LIMIT_LOCK_DIR=str(locks),
+            VLLM_KV_CACHE_LIMIT_SHRINK_AFTER_S="1",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    log = run.stdout + run.stderr
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"exit {run.returncode}:\n{log[-4000:]}"
+    result = json.loads(lines[-1][len("RESULT ") :])
+    assert result["client"] == "InprocClient", result["client"]
+    busy, idle, again = result["busy"], result["idle"], result["again"]
+    floor = busy["autoscale"]["floor_bytes"]
+    bpb = busy["kv_cache_allocated_bytes"] // busy["num_blocks_allocated"]
+    # The premise: the batch grew the limit, the ledger holds it, and pages
+    # above the floor became resident.
+    assert busy["kv_cache_limit_bytes"] > floor, busy
+    assert result["busy_holds"] == [busy["autoscale"]["held_bytes"]] and result["busy_holds"][0] > floor, result
+    assert result["busy_resident"][0] > floor + 4 * bpb, (result["busy_resident"], floor, bpb)
+    # Idle with no call: at the floor, its share given back, its pages gone.
+    assert idle["kv_cache_limit_bytes"] == floor and idle["holds"], idle
+    assert result["idle_holds"] == [floor], (result["idle_holds"], floor)
+    # (Pages that straddle the floor's last block in each layer stay.)
+    assert result["idle_resident"][0] <= floor + 2 * bpb, (result["idle_resident"], floor, bpb)
+    fell = result["busy_resident"][0] - result["idle_resident"][0]
+    assert result["rss_fall"][0] >= 0.9 * fell > 0, (result["rss_fall"], fell)
+    assert re.search(r"KV cache autoscale: limit \S+ -> \S+ per worker .*demand below the limit for 1 s", log), log[
+        -3000:
+    ]
+    # The next batch grows it again and gives the same greedy outputs.
+    assert result["second"] == result["first"] and all(result["first"])
+    assert again["autoscale"]["changes"] > idle["autoscale"]["changes"], (idle, again)
+    assert "KV cache autoscaling failed" not in log, log[-3000:]
+    assert result["entries_after"] == 0, result

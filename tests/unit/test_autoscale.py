@@ -15,6 +15,7 @@ from vllm_kv_cache_limit.autoscale import (
     Policy,
     Scaler,
     Share,
+    check_executor,
     check_settings,
     device_bytes_per_block,
     entitlement,
@@ -504,3 +505,26 @@ def test_a_block_on_a_device_counts_its_largest_worker_times_its_workers(
         largest_bytes_per_block=largest,
     )
     assert device_bytes_per_block(allocation, devices, workers, cpu) == expected
+
+
+@pytest.mark.parametrize(
+    ("enabled", "backend", "ranks"),
+    [
+        (True, "mp", 2),
+        (True, "ray", 4),
+        (True, "uni", 1),
+        (True, None, 1),
+        (True, "external_launcher", 1),
+        (False, "external_launcher", 2),
+    ],
+)
+def test_executors_whose_ranks_share_one_scheduler_are_accepted(enabled: bool, backend: object, ranks: int) -> None:
+    check_executor(enabled, backend, ranks)
+
+
+def test_autoscale_with_ranks_that_each_schedule_is_refused_naming_the_backend() -> None:
+    with pytest.raises(KVCacheMaxMemoryError) as info:
+        check_executor(True, "external_launcher", 2)
+    text = str(info.value)
+    for part in ("--kv-cache-autoscale", "external_launcher", "2 tensor- or pipeline-parallel ranks", "mp or ray"):
+        assert part in text, text

@@ -262,3 +262,21 @@ def test_the_cap_from_the_environment_counts_for_autoscale(
         KVCacheMaxMemoryError, match=r"--kv-cache-min-memory 3GiB .* is above --kv-cache-max-memory 1GiB"
     ):
         EngineArgs(model=LOCAL_MODEL, kv_cache_autoscale=True, kv_cache_min_memory="3G").create_engine_config()
+
+
+@pytest.mark.usefixtures("no_cap_from_the_environment")
+@pytest.mark.parametrize("ranks", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_autoscale_with_ranks_that_each_schedule_is_refused(vllm_modules, tiny_model: str, ranks: dict) -> None:
+    """``external_launcher`` with tensor or pipeline parallel: every rank's
+    process has its own scheduler (checked once the parallel config is
+    known, before anything loads); the same cap without autoscaling passes."""
+    EngineArgs, _, _ = vllm_modules
+    args = {"model": tiny_model, "kv_cache_max_memory": "1G", "distributed_executor_backend": "external_launcher"}
+    with pytest.raises(KVCacheMaxMemoryError) as info:
+        EngineArgs(**args, **ranks, kv_cache_autoscale=True).create_engine_config()
+    assert "--kv-cache-autoscale cannot run with --distributed-executor-backend external_launcher and 2" in str(
+        info.value
+    ), str(info.value)
+    config = EngineArgs(**args, **ranks).create_engine_config()
+    assert config.parallel_config.distributed_executor_backend == "external_launcher"
+    assert config.parallel_config.world_size == 2

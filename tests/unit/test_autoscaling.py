@@ -442,3 +442,127 @@ def test_instances_on_different_devices_do_not_share_a_budget(tmp_path: Path) ->
 def test_without_a_budget_the_status_names_no_device() -> None:
     scaler = autoscaler(Engine(), None)
     assert scaler.status()["devices"] is None and scaler._budget_text() == ""
+
+
+# --- an in-process engine core: its timer decides between the caller's calls ----------
+
+
+def test_the_timer_decides_only_while_no_call_holds_the_lock() -> None:
+    import threading
+
+    engine = Engine()
+    scaler = autoscaler(engine, None)
+    lock = threading.RLock()
+    decided = threading.Event()
+    decisions: list[bool] = []
+
+    def decide() -> None:
+        # Each decision runs with the lock held by the timer's own thread.
+        decisions.append(lock.acquire(blocking=False) and not lock.release())
+        decided.set()
+
+    with lock:  # a call in progress
+        thread = autoscaling.start_deciding(scaler, lock, decide)
+        assert not decided.wait(5 * autoscaling.TICK_S) and decisions == []
+    assert decided.wait(30 * autoscaling.TICK_S), "no decision once the call ended"
+    scaler.close()
+    thread.join(timeout=30 * autoscaling.TICK_S)
+    assert not thread.is_alive() and decisions and all(decisions), decisions
+
+
+def test_a_failing_decision_is_logged_and_the_timer_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    import threading
+
+    scaler = autoscaler(Engine(), None)
+    lock = threading.RLock()
+    calls: list[int] = []
+
+    def decide() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a scheduler in an odd state")
+
+    with caplog.at_level(logging.ERROR, logger="vllm.plugins.kv_cache_limit"):
+        thread = autoscaling.start_deciding(scaler, lock, decide)
+        deadline = 100
+        while len(calls) < 2 and deadline:
+            threading.Event().wait(autoscaling.TICK_S)
+            deadline -= 1
+        scaler.close()
+        thread.join(timeout=30 * autoscaling.TICK_S)
+    assert len(calls) >= 2, calls
+    assert "KV cache autoscaling failed while the engine idled" in caplog.text
+    assert lock.acquire(blocking=False)  # released after the failure
+
+
+def test_a_client_call_waits_for_a_decision_in_progress() -> None:
+    """``InprocClient``'s methods wrapped (``resizing.client``): with the
+    engine core's lock held by a decision, a call starts only after it; an
+    engine core without the lock (no autoscaling) is called at once."""
+    import threading
+
+    from vllm_kv_cache_limit.resizing.client import _holding_engine_lock
+
+    order: list[str] = []
+    core = type("Core", (), {})()
+    setattr(core, autoscaling.ENGINE_LOCK, threading.RLock())
+    client = type("Client", (), {"engine_core": core})()
+    call = _holding_engine_lock(lambda self, x: order.append(f"call {x}") or x)
+    lock = getattr(core, autoscaling.ENGINE_LOCK)
+    deciding, release = threading.Event(), threading.Event()
+
+    def decision() -> None:
+        with lock:
+            deciding.set()
+            release.wait(30)
+            order.append("decision ends")
+
+    timer = threading.Thread(target=decision)
+    timer.start()
+    assert deciding.wait(30)
+    caller = threading.Thread(target=call, args=(client, 1))
+    caller.start()
+    caller.join(timeout=0.5)
+    assert caller.is_alive() and order == [], order  # waiting for the decision
+    release.set()
+    timer.join(30)
+    caller.join(30)
+    assert order == ["decision ends", "call 1"], order
+    plain = type("Client", (), {"engine_core": type("Core", (), {})()})()
+    assert call(plain, 2) == 2 and order[-1] == "call 2"
+
+
+def test_shutdown_waits_for_a_decision_in_progress(tmp_path: Path) -> None:
+    """vLLM's finalizer calls ``EngineCore.shutdown`` without the client's
+    lock: the ledger is left only once the timer's decision has ended."""
+    import threading
+
+    from vllm_kv_cache_limit.resizing.engine_core import _leave_budget_first
+
+    engine = Engine()
+    scaler = started(engine, autoscaler(engine, 300 * BPB), tmp_path)
+    core = type("Core", (), {})()
+    core._kvcl_autoscaler = scaler
+    lock = threading.RLock()
+    setattr(core, autoscaling.ENGINE_LOCK, lock)
+    order: list[str] = []
+    deciding, release = threading.Event(), threading.Event()
+
+    def decision() -> None:
+        with lock:
+            deciding.set()
+            release.wait(30)
+            order.append(f"decision ends, ledgers {len(scaler.ledgers)}")
+
+    timer = threading.Thread(target=decision)
+    timer.start()
+    assert deciding.wait(30)
+    shutdown = threading.Thread(target=_leave_budget_first(lambda core: order.append("vLLM's shutdown")), args=(core,))
+    shutdown.start()
+    shutdown.join(timeout=0.5)
+    assert shutdown.is_alive() and order == [], order
+    release.set()
+    timer.join(30)
+    shutdown.join(30)
+    assert order == ["decision ends, ledgers 1", "vLLM's shutdown"], order
+    assert scaler.ledgers == [] and lock.acquire(blocking=False)

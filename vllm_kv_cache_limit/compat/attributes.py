@@ -274,7 +274,8 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         ("vllm.v1.engine.core_client",),
         "InprocClient",
         "engine_core",
-        "`_call`: the engine core of an `LLM` without a separate engine-core process",
+        "`_call`, `_holding_engine_lock`: the engine core of an `LLM` without a separate engine-core process, "
+        "whose autoscaling lock every call holds",
     ),
     Attribute(
         ("vllm.v1.engine.core_client",),

@@ -17,6 +17,7 @@ from vllm_kv_cache_limit.autoscale import (
     AUTOSCALE_FLAG,
     MIN_MEMORY_FLAG,
     SHARED_BUDGET_FLAG,
+    check_executor,
     check_settings,
     shrink_after_s,
 )
@@ -189,6 +190,12 @@ def _carry_cap_into_config(original: Callable) -> Callable:
             raise KVCacheMaxMemoryError(compat.drift_message(problems))
         startup_lock.lock_timeout()  # a bad value fails here, quoted
         config = original(self, *args, **kwargs)
+        parallel_config = config.parallel_config
+        check_executor(
+            bool(scaling["kv_cache_autoscale"]),
+            parallel_config.distributed_executor_backend,
+            parallel_config.tensor_parallel_size * parallel_config.pipeline_parallel_size,
+        )
         cache_config = config.cache_config
         setattr(cache_config, FIELD, cap)
         for name, value in scaling.items():

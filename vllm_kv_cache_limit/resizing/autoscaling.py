@@ -349,3 +349,34 @@ def start_waking(engine_core: Any, scaler: Autoscaler, wakeup: Any) -> threading
     thread = threading.Thread(target=run, name="kv-cache-autoscale", daemon=True)
     thread.start()
     return thread
+
+
+ENGINE_LOCK = "_kvcl_lock"
+"""The attribute of an in-process engine core holding its autoscaling lock:
+held by every call the client makes into it (``resizing.client``), and by
+a decision its timer takes (``start_deciding``)."""
+
+
+def start_deciding(scaler: Autoscaler, lock: threading.RLock, decide: Callable[[], None]) -> threading.Thread:
+    """A daemon thread that runs ``decide`` every ``TICK_S`` while it can
+    take ``lock`` at once, for an engine core in the caller's process
+    (vLLM's in-process client): it has no input queue to wake, and while
+    the caller makes no call it takes no step. A call in progress holds the
+    lock, and its steps decide; a decision in progress makes the next call
+    wait for it."""
+
+    def run() -> None:
+        while not scaler.stop.wait(TICK_S):
+            if not lock.acquire(blocking=False):
+                continue
+            try:
+                if not scaler.stop.is_set():
+                    decide()
+            except Exception:  # the thread goes on; the next decision may work
+                logger.exception("KV cache autoscaling failed while the engine idled.")
+            finally:
+                lock.release()
+
+    thread = threading.Thread(target=run, name="kv-cache-autoscale", daemon=True)
+    thread.start()
+    return thread

@@ -1,10 +1,14 @@
-"""The Python API of run-time resize, for ``LLM`` and ``AsyncLLM``: the
-client side of the engine cores' utility methods.
+"""vllm.v1.engine.core_client: the Python API of run-time resize, for ``LLM``
+and ``AsyncLLM`` (the client side of the engine cores' utility methods), and
+the in-process client's calls kept apart from its engine core's autoscaling.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +18,15 @@ from vllm.logger import init_logger
 from vllm_kv_cache_limit import resize
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.errors import KVCacheResizeError, KVCacheResizeFailed
-from vllm_kv_cache_limit.resizing.availability import problem_of, require_hooks
+from vllm_kv_cache_limit.patches.wrap import wrap
+from vllm_kv_cache_limit.resizing.autoscaling import ENGINE_LOCK
+from vllm_kv_cache_limit.resizing.availability import (
+    RESIZE_REMOVE,
+    RESIZE_UPSTREAM,
+    optional,
+    problem_of,
+    require_hooks,
+)
 from vllm_kv_cache_limit.sizes import format_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
@@ -35,8 +47,15 @@ def _call(engine: Any, method: str, *args: Any) -> dict[str, Any]:
     if hasattr(client, "call_utility"):
         result = client.call_utility(method, *args)
     else:  # InprocClient: the engine core lives in this process
-        result = getattr(client.engine_core, method)(*args)
+        with _engine_lock(client.engine_core):
+            result = getattr(client.engine_core, method)(*args)
     return _checked(result)
+
+
+def _engine_lock(engine_core: Any) -> contextlib.AbstractContextManager[Any]:
+    """The autoscaling lock of an in-process engine core (none without autoscaling)."""
+    lock = getattr(engine_core, ENGINE_LOCK, None)
+    return contextlib.nullcontext() if lock is None else lock
 
 
 async def _call_async(engine: Any, method: str, *args: Any) -> dict[str, Any]:
@@ -135,12 +154,47 @@ async def async_kv_cache_limit_status(engine: Any) -> dict[str, Any]:
     return await _call_async(engine, "kv_cache_limit_status")
 
 
+def patch(module: Any) -> None:
+    """Why: an autoscaled engine core in the caller's process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) has no input queue to wake; while
+    the caller makes no call, a timer decides its limit in a thread of its
+    own, and nothing the client asks of the engine core may run during such
+    a decision. How: wraps every public method ``InprocClient`` defines
+    (each calls into its engine core) to hold the engine core's autoscaling
+    lock. Without autoscaling (no lock) the original runs alone."""
+    optional(INPROC_CLIENT, functools.partial(_hold_engine_lock, module.InprocClient))
+
+
+def _hold_engine_lock(client_class: type) -> None:
+    for name, value in list(vars(client_class).items()):
+        if not name.startswith("_") and inspect.isfunction(value):
+            wrap(client_class, name, _holding_engine_lock)
+
+
+def _holding_engine_lock(original: Callable) -> Callable:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        lock = getattr(getattr(self, "engine_core", None), ENGINE_LOCK, None)
+        if lock is None:
+            return original(self, *args, **kwargs)
+        with lock:
+            return original(self, *args, **kwargs)
+
+    return method
+
+
+INPROC_CLIENT = Hook(
+    ("vllm.v1.engine.core_client",),
+    "InprocClient",
+    wrapper=patch,
+    upstream=RESIZE_UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
 ASYNC_MP_CLIENT_CALL_UTILITY_ASYNC = Hook(
     ("vllm.v1.engine.core_client",), "AsyncMPClient._call_utility_async", ("self", "method")
 )
 
-HOOKS = (ASYNC_MP_CLIENT_CALL_UTILITY_ASYNC,)
-"""Called, not wrapped."""
+HOOKS = (INPROC_CLIENT, ASYNC_MP_CLIENT_CALL_UTILITY_ASYNC)
 
-TARGETS: dict[str, Callable[[Any], None]] = {}
+TARGETS: dict[str, Callable[[Any], None]] = {"vllm.v1.engine.core_client": patch}
 """vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +94,11 @@ def _autoscale_after_request(original: Callable) -> Callable:
     return method
 
 
+SHUTDOWN_WAIT_S = 5.0
+"""Seconds a shutdown waits for a decision in progress (a ledger write, a
+release of pages) before it goes on without it."""
+
+
 def _leave_budget_first(original: Callable) -> Callable:
     """Why: an engine shut down in a process that goes on (``del llm`` in a
     notebook, an in-process engine) would keep its ledger entry, and with it
@@ -105,6 +111,10 @@ def _leave_budget_first(original: Callable) -> Callable:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         scaler: Autoscaler | None = getattr(self, "_kvcl_autoscaler", None)
         if scaler is not None:
+            # An in-process engine core's timer may be deciding (vLLM's
+            # finalizer calls this without the client's lock): let it end.
+            lock = getattr(self, autoscaling.ENGINE_LOCK, None)
+            locked = lock is not None and lock.acquire(timeout=SHUTDOWN_WAIT_S)
             self._kvcl_autoscaler = None
             try:
                 scaler.close()
@@ -112,6 +122,9 @@ def _leave_budget_first(original: Callable) -> Callable:
                 logger.exception("Leaving the shared KV cache budget's ledger failed; the process exit drops it.")
             else:
                 logger.debug("KV cache autoscale off: the engine core shuts down; its ledger entries are removed.")
+            finally:
+                if lock is not None and locked:
+                    lock.release()
         return original(self, *args, **kwargs)
 
     return method
@@ -427,6 +440,18 @@ def _autoscale_start(self: Any) -> None:
 
     if isinstance(self, EngineCoreProc):  # an idle engine core blocks on its input queue: wake it
         autoscaling.start_waking(self, scaler, EngineCoreRequestType.WAKEUP)
+    else:  # in the caller's process: it steps only while the caller calls it
+        lock = threading.RLock()
+        setattr(self, autoscaling.ENGINE_LOCK, lock)
+        autoscaling.start_deciding(scaler, lock, functools.partial(_decide_between_calls, self))
+
+
+def _decide_between_calls(engine_core: Any) -> None:
+    """A decision of an in-process engine core's timer, the engine core's
+    lock held: no call of the client is in progress."""
+    if not getattr(engine_core, "_kvcl_in_step", False):  # a step called other than through the client
+        _autoscale_tick(engine_core)
+        _release_if_due(engine_core)
 
 
 def _worker_pages(engine_core: Any, keep: int, num_blocks: int, release: bool) -> int:
