@@ -166,12 +166,16 @@ def patch(module: Any) -> None:
 
 
 def _hold_engine_lock(client_class: type) -> None:
+    """Wrap each public method the class itself defines (vLLM adds one now
+    and then: none is named here, so none is missed)."""
     for name, value in list(vars(client_class).items()):
         if not name.startswith("_") and inspect.isfunction(value):
             wrap(client_class, name, _holding_engine_lock)
 
 
 def _holding_engine_lock(original: Callable) -> Callable:
+    """The original, run holding its engine core's autoscaling lock when it has one."""
+
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         lock = getattr(getattr(self, "engine_core", None), ENGINE_LOCK, None)
         if lock is None:
