@@ -8,6 +8,8 @@ floors, quoting them."""
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -448,8 +450,6 @@ def test_without_a_budget_the_status_names_no_device() -> None:
 
 
 def test_the_timer_decides_only_while_no_call_holds_the_lock() -> None:
-    import threading
-
     engine = Engine()
     scaler = autoscaler(engine, None)
     lock = threading.RLock()
@@ -471,8 +471,6 @@ def test_the_timer_decides_only_while_no_call_holds_the_lock() -> None:
 
 
 def test_a_failing_decision_is_logged_and_the_timer_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    import threading
-
     scaler = autoscaler(Engine(), None)
     lock = threading.RLock()
     calls: list[int] = []
@@ -495,12 +493,33 @@ def test_a_failing_decision_is_logged_and_the_timer_goes_on(caplog: pytest.LogCa
     assert lock.acquire(blocking=False)  # released after the failure
 
 
+def decision_in_progress(lock: Any, order: list[str], ends: Callable[[], str]) -> Callable[[], None]:
+    """Start a thread that holds ``lock`` as a timer's decision would, until
+    the returned function is called; it then appends ``ends()`` to
+    ``order`` before releasing the lock, and the thread is joined."""
+    deciding, release = threading.Event(), threading.Event()
+
+    def decision() -> None:
+        with lock:
+            deciding.set()
+            release.wait(30)
+            order.append(ends())
+
+    timer = threading.Thread(target=decision)
+    timer.start()
+    assert deciding.wait(30)
+
+    def end() -> None:
+        release.set()
+        timer.join(30)
+
+    return end
+
+
 def test_a_client_call_waits_for_a_decision_in_progress() -> None:
     """``InprocClient``'s methods wrapped (``resizing.client``): with the
     engine core's lock held by a decision, a call starts only after it; an
     engine core without the lock (no autoscaling) is called at once."""
-    import threading
-
     from vllm_kv_cache_limit.resizing.client import _holding_engine_lock
 
     order: list[str] = []
@@ -508,24 +527,12 @@ def test_a_client_call_waits_for_a_decision_in_progress() -> None:
     setattr(core, autoscaling.ENGINE_LOCK, threading.RLock())
     client = type("Client", (), {"engine_core": core})()
     call = _holding_engine_lock(lambda self, x: order.append(f"call {x}") or x)
-    lock = getattr(core, autoscaling.ENGINE_LOCK)
-    deciding, release = threading.Event(), threading.Event()
-
-    def decision() -> None:
-        with lock:
-            deciding.set()
-            release.wait(30)
-            order.append("decision ends")
-
-    timer = threading.Thread(target=decision)
-    timer.start()
-    assert deciding.wait(30)
+    end_decision = decision_in_progress(getattr(core, autoscaling.ENGINE_LOCK), order, lambda: "decision ends")
     caller = threading.Thread(target=call, args=(client, 1))
     caller.start()
     caller.join(timeout=0.5)
     assert caller.is_alive() and order == [], order  # waiting for the decision
-    release.set()
-    timer.join(30)
+    end_decision()
     caller.join(30)
     assert order == ["decision ends", "call 1"], order
     plain = type("Client", (), {"engine_core": type("Core", (), {})()})()
@@ -535,8 +542,6 @@ def test_a_client_call_waits_for_a_decision_in_progress() -> None:
 def test_shutdown_waits_for_a_decision_in_progress(tmp_path: Path) -> None:
     """vLLM's finalizer calls ``EngineCore.shutdown`` without the client's
     lock: the ledger is left only once the timer's decision has ended."""
-    import threading
-
     from vllm_kv_cache_limit.resizing.engine_core import _leave_budget_first
 
     engine = Engine()
@@ -546,23 +551,12 @@ def test_shutdown_waits_for_a_decision_in_progress(tmp_path: Path) -> None:
     lock = threading.RLock()
     setattr(core, autoscaling.ENGINE_LOCK, lock)
     order: list[str] = []
-    deciding, release = threading.Event(), threading.Event()
-
-    def decision() -> None:
-        with lock:
-            deciding.set()
-            release.wait(30)
-            order.append(f"decision ends, ledgers {len(scaler.ledgers)}")
-
-    timer = threading.Thread(target=decision)
-    timer.start()
-    assert deciding.wait(30)
+    end_decision = decision_in_progress(lock, order, lambda: f"decision ends, ledgers {len(scaler.ledgers)}")
     shutdown = threading.Thread(target=_leave_budget_first(lambda core: order.append("vLLM's shutdown")), args=(core,))
     shutdown.start()
     shutdown.join(timeout=0.5)
     assert shutdown.is_alive() and order == [], order
-    release.set()
-    timer.join(30)
+    end_decision()
     shutdown.join(30)
     assert order == ["decision ends, ledgers 1", "vLLM's shutdown"], order
     assert scaler.ledgers == [] and lock.acquire(blocking=False)

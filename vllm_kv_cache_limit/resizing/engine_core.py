@@ -68,8 +68,7 @@ def _release_after(original: Callable) -> Callable:
             result = original(self, *args, **kwargs)
         finally:
             self._kvcl_in_step = False
-        _autoscale_tick(self)
-        _release_if_due(self)
+        _between_steps(self)
         return result
 
     return method
@@ -87,8 +86,7 @@ def _autoscale_after_request(original: Callable) -> Callable:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         if getattr(self, "_kvcl_autoscaler", None) is not None and not getattr(self, "_kvcl_in_step", False):
-            _autoscale_tick(self)
-            _release_if_due(self)
+            _between_steps(self)
         return result
 
     return method
@@ -128,6 +126,13 @@ def _leave_budget_first(original: Callable) -> Callable:
         return original(self, *args, **kwargs)
 
     return method
+
+
+def _between_steps(engine_core: Any) -> None:
+    """What an engine core does between steps: the autoscaler's decision,
+    then the release of the pages above the limit once it holds."""
+    _autoscale_tick(engine_core)
+    _release_if_due(engine_core)
 
 
 def _autoscale_tick(engine_core: Any) -> None:
@@ -450,8 +455,7 @@ def _decide_between_calls(engine_core: Any) -> None:
     """A decision of an in-process engine core's timer, the engine core's
     lock held: no call of the client is in progress."""
     if not getattr(engine_core, "_kvcl_in_step", False):  # a step called other than through the client
-        _autoscale_tick(engine_core)
-        _release_if_due(engine_core)
+        _between_steps(engine_core)
 
 
 def _worker_pages(engine_core: Any, keep: int, num_blocks: int, release: bool) -> int:
