@@ -23,7 +23,7 @@ UPSTREAM_VENV := .venv-upstream
 UPSTREAM_SITE = $(UPSTREAM_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')/site-packages
 export HF_HUB_OFFLINE := 1
 
-.PHONY: serve test test-smoke test-matrix test-upstream lint install model check-hooks clean
+.PHONY: serve test test-slow test-smoke test-matrix test-upstream lint install model check-hooks clean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ serve: install model
 
 test: install
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+# The tests outside CI (marker slow): each one's behaviour is guarded in CI
+# by a cheaper test, listed in tests/README.md.
+test-slow: install model
+	$(VPY) -m pytest -m slow $(PYTEST_ARGS)
 
 # ruff (lint and format), mypy and the import contracts (import-linter),
 # configured in pyproject.toml. lint-imports analyses the package as Python

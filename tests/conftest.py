@@ -1,4 +1,5 @@
-"""Markers by folder: tests/unit -> unit, tests/e2e -> e2e, tests/gpu -> gpu;
+"""Markers by folder: tests/unit -> unit, tests/e2e -> e2e, tests/gpu -> gpu,
+tests/cuda_wheel -> cuda_wheel;
 and what the folders share: the repository's root and the tiny model."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ with."""
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = Path(str(item.fspath)).relative_to(REPO / "tests").parts
-        if parts and parts[0] in ("unit", "e2e", "gpu"):
+        if parts and parts[0] in ("unit", "e2e", "gpu", "cuda_wheel"):
             item.add_marker(getattr(pytest.mark, parts[0]))
         if UPSTREAM and item.get_closest_marker("plugin_only"):
             item.add_marker(pytest.mark.skip(reason="a plugin feature; not in the upstream patch"))

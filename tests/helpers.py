@@ -218,8 +218,10 @@ def engine_cache_settings(llm: Any) -> dict[str, Any]:
     }
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
-    """Start ``LLM(**spec)`` here, measure it, generate; the result object."""
+def run(spec: dict[str, Any], shut_down: bool = False) -> dict[str, Any]:
+    """Start ``LLM(**spec)`` here, measure it, generate; the result object.
+    ``shut_down``: stop the engine before returning (for a process that
+    starts another one next, see :func:`serve_probes`)."""
     enter_engine_process()
     spec = dict(spec)
     prompts = spec.pop("prompts", ["Hello, my name is"])
@@ -227,6 +229,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     resize_to = spec.pop("resize_to", None)
     result: dict[str, Any] = {"ok": False}
     started = time.perf_counter()
+    llm = None
     try:
         from vllm import LLM, SamplingParams
 
@@ -251,7 +254,146 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         result["ok"] = True
     except Exception as exc:  # reported, not raised: the caller reads the line
         result.update(error_result(exc))
+    if shut_down and llm is not None:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        import gc
+
+        gc.collect()
     return result
+
+
+PROBE_CHILDREN_GONE_S = 60.0
+"""How long the engine processes of one probe may take to exit before
+:func:`serve_probes` starts the next one."""
+
+
+def _engine_children() -> list[Any]:
+    """This process's live descendants, less Python's multiprocessing
+    resource tracker (started by the first spawn, it lives as long as this
+    process by design)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            continue
+    return found
+
+
+def serve_probes() -> None:
+    """Run probes one after the other in this process (``python -m
+    tests.helpers --serve``), so that a module's probes with the same
+    environment import torch and vLLM once instead of once each. Each line
+    of standard input is ``{"spec": ..., "log": PATH}``: the probe's output,
+    this process's and that of the engine processes it spawns, goes to
+    ``PATH``; its result line to this process's standard output. Before each
+    probe the environment is set back to the one this process started with,
+    and the previous probe's engine processes are gone (killed past
+    ``PROBE_CHILDREN_GONE_S``), as if each ran in a fresh process."""
+    results = os.fdopen(os.dup(1), "w", buffering=1)
+    environ = dict(os.environ)
+    for line in sys.stdin:
+        request = json.loads(line)
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        result = run(request["spec"], shut_down=True)
+        deadline = time.monotonic() + PROBE_CHILDREN_GONE_S
+        while (left := _engine_children()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for child in left:
+            print(f"probe driver: killing {child.pid}, still alive {PROBE_CHILDREN_GONE_S} s after its engine stopped")
+            with contextlib.suppress(Exception):
+                child.kill()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        results.write(RESULT_PREFIX + json.dumps(result) + "\n")
+
+
+class ProbeDriver:
+    """One ``python -m tests.helpers --serve`` process (see
+    :func:`serve_probes`) with a fixed environment and interpreter: probes
+    sent to it run one after the other, each with its own log."""
+
+    def __init__(self, env: dict[str, str], python: str | None = None, cwd: Path | None = None) -> None:
+        import queue
+        import threading
+
+        self.proc = subprocess.Popen(
+            [python or sys.executable, "-m", "tests.helpers", "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.output: list[str] = []
+        """What the driver printed outside any probe's log (start-up errors)."""
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, spec: dict[str, Any], log_path: Path, timeout: float) -> ChildRun:
+        """Run one probe; its result (None when the driver died or ran past
+        ``timeout``, which then ends it) and its log."""
+        import queue
+
+        assert self.proc.stdin is not None
+        log_path.write_text("")
+        result = None
+        try:
+            self.proc.stdin.write(json.dumps({"spec": spec, "log": str(log_path)}) + "\n")
+            self.proc.stdin.flush()
+            deadline = time.monotonic() + timeout
+            while result is None:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                if line is None:
+                    break
+                if line.startswith(RESULT_PREFIX):
+                    result = json.loads(line[len(RESULT_PREFIX) :])
+                else:
+                    self.output.append(line)
+        except (queue.Empty, BrokenPipeError):
+            pass
+        if result is None:
+            self.close()
+        log = log_path.read_text()
+        if result is None and self.output:
+            log += "\nprobe driver output:\n" + "".join(self.output)
+        return ChildRun(result, log, 0 if result is not None else (self.proc.returncode or -1))
+
+    def close(self) -> None:
+        """End the driver (and anything left of its engines)."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 def free_port() -> int:
@@ -504,7 +646,10 @@ def metric(base: str, name: str) -> float:
 
 
 def main() -> None:
-    print_result(run(json.loads(sys.argv[1])))
+    if sys.argv[1:] == ["--serve"]:
+        serve_probes()
+    else:
+        print_result(run(json.loads(sys.argv[1])))
 
 
 if __name__ == "__main__":

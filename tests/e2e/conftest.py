@@ -168,18 +168,54 @@ def available_at_most(fraction: float) -> Iterator[tuple[int, int]]:
         yield available, total
 
 
+class ProbeDrivers:
+    """The probe drivers of a test session (``tests.helpers.ProbeDriver``),
+    one per environment and interpreter, the last ``KEEP`` used kept alive:
+    probes with the same environment, in one module or several, import
+    torch and vLLM once. Each probe still starts its own engine."""
+
+    KEEP = 2
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.drivers: dict[tuple[str | None, tuple[tuple[str, str], ...]], helpers.ProbeDriver] = {}
+        self.count = 0
+
+    def run(self, spec: dict[str, Any], env: dict[str, str], python: str | None) -> tuple[dict[str, Any], str]:
+        key = (python, tuple(sorted(env.items())))
+        driver = self.drivers.pop(key, None)
+        if driver is None or not driver.alive:
+            driver = helpers.ProbeDriver(env, python, REPO)
+        self.drivers[key] = driver  # the most recently used last
+        while len(self.drivers) > self.KEEP:
+            self.drivers.pop(next(iter(self.drivers))).close()
+        self.count += 1
+        run = driver.run(spec, self.folder / f"probe-{self.count}.log", ENGINE_TIMEOUT_S)
+        assert run.result is not None, f"probe printed no result (exit {run.returncode}):\n{run.log[-4000:]}"
+        return run.result, run.log
+
+    def close(self) -> None:
+        for driver in self.drivers.values():
+            driver.close()
+        self.drivers.clear()
+
+
 @pytest.fixture(scope="session")
-def probe(tiny_model: str):
+def probe(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., tuple[dict, str]]]:
     """``probe(**llm_kwargs)`` starts the tiny model with BASE_ENGINE_ARGS
-    plus the given arguments; ``env=`` adds environment variables."""
+    plus the given arguments; ``env=`` adds environment variables,
+    ``python=`` another interpreter. Probes with the same environment and
+    interpreter run one after the other in one driver process."""
+    drivers = ProbeDrivers(tmp_path_factory.mktemp("probes"))
 
     def _probe(
         env: dict[str, str] | None = None, python: str | None = None, **kwargs: Any
     ) -> tuple[dict[str, Any], str]:
         spec = {"model": tiny_model, **BASE_ENGINE_ARGS, **kwargs}
-        return run_probe(spec, engine_env(**(env or {})), python)
+        return drivers.run(spec, engine_env(**(env or {})), python)
 
-    return _probe
+    yield _probe
+    drivers.close()
 
 
 def cap_error(result: dict[str, Any], log: str) -> str:

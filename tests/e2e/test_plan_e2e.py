@@ -1,7 +1,10 @@
 """``vllm-kv-plan`` against the real engine: for each tiny architecture, a
 vLLM CPU engine started with ``kv_cache_max_memory`` set to the planner's
 suggestion allocates exactly the planner's blocks, at the planner's bytes per
-token. One engine per architecture."""
+token. One engine per architecture; in CI one full-attention model (Llama)
+and one with sliding-window layers (Gemma 2); the other architectures run
+with ``make test-slow`` (``slow``), their planner answers checked in CI by
+``tests/unit/plan/test_introspect.py::test_other_architectures_are_exact``."""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import BASE_ENGINE_ARGS, engine_env, run_probe
 from tests.tiny_model import ARCHITECTURES, build_tiny_model
 from vllm_kv_cache_limit import plan as kv_plan
 from vllm_kv_cache_limit.sizes import parse_size
@@ -54,11 +56,20 @@ def _plan(model: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     return json.loads(out)
 
 
-@pytest.mark.parametrize(
-    "arch", [pytest.param(a, marks=pytest.mark.smoke) if a == "llama" else a for a in sorted(ARCHITECTURES)]
-)
+IN_CI = ("llama", "gemma2")
+"""One full-attention and one sliding-window architecture; the others are
+``slow`` (outside CI)."""
+
+
+def _marks(arch: str) -> list[pytest.MarkDecorator]:
+    if arch == "llama":
+        return [pytest.mark.smoke]
+    return [] if arch in IN_CI else [pytest.mark.slow]
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=_marks(a)) for a in sorted(ARCHITECTURES)])
 def test_engine_allocates_the_planned_blocks(
-    arch: str, tiny_models_dir: Path, capsys: pytest.CaptureFixture[str]
+    arch: str, tiny_models_dir: Path, capsys: pytest.CaptureFixture[str], probe
 ) -> None:
     if arch in CPU_ENGINE_CANNOT_RUN:
         pytest.skip(CPU_ENGINE_CANNOT_RUN[arch])
@@ -71,14 +82,12 @@ def test_engine_allocates_the_planned_blocks(
     cap = plan["suggested_kv_cache_max_memory"]
     assert parse_size(cap) >= plan["required_bytes"]
 
-    spec = {
-        "model": model,
-        **BASE_ENGINE_ARGS,
-        "max_model_len": MAX_MODEL_LEN,
-        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-        "kv_cache_max_memory": cap,
-    }
-    result, log = run_probe(spec, engine_env())
+    result, log = probe(
+        model=model,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        kv_cache_max_memory=cap,
+    )
     assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{log[-3000:]}"
 
     assert result["num_gpu_blocks"] == plan["suggested_num_blocks"]

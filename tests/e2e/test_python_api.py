@@ -3,12 +3,14 @@ script that never imports this package: the start-up hook makes it work."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
 from tests.e2e.conftest import engine_env
+from tests.e2e.test_cap import info_line
 
 SCRIPT = """
 import sys
@@ -27,10 +29,15 @@ def kv_bytes(worker):
     return sum(storages.values())
 
 if __name__ == "__main__":
-    from vllm import LLM
+    import json
+    from vllm import LLM, SamplingParams
     llm = LLM(sys.argv[1], kv_cache_max_memory="16M", max_model_len=512,
-              gpu_memory_utilization=0.25, enforce_eager=True)
+              gpu_memory_utilization=0.25, enforce_eager=True, seed=0)
     print("KV_BYTES", llm.collective_rpc(kv_bytes)[0])
+    cache = llm.llm_engine.vllm_config.cache_config
+    text = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
+    print("ENGINE " + json.dumps({"num_gpu_blocks": cache.num_gpu_blocks,
+                                  "kv_cache_max_memory": cache.kv_cache_max_memory, "text": text}))
 """
 
 
@@ -48,10 +55,22 @@ def run_script(tiny_model: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.smoke
 def test_llm_keyword_works_without_importing_the_plugin(tiny_model: str) -> None:
+    """Also the cap of 16M on an engine sized by vLLM's own budget: the KV
+    cache is the whole blocks within the cap (here exactly the cap), as the
+    worker measures it and the INFO line says, and the engine generates."""
     proc = run_script(tiny_model)
     assert proc.returncode == 0, proc.stderr[-4000:]
     kv = [line for line in proc.stdout.splitlines() if line.startswith("KV_BYTES")]
-    assert kv == [f"KV_BYTES {16 * 2**20}"]
+    cap = 16 * 2**20
+    assert kv == [f"KV_BYTES {cap}"]
+    (engine,) = [json.loads(line[len("ENGINE ") :]) for line in proc.stdout.splitlines() if line.startswith("ENGINE ")]
+    assert engine["kv_cache_max_memory"] == cap
+    assert cap % engine["num_gpu_blocks"] == 0  # whole blocks: cap - allocated < one block
+    assert engine["text"]
+    line = info_line(proc.stdout + proc.stderr)
+    assert int(line["cap"]) == cap and line["bound"] == "bound"
+    assert int(line["blocks"]) == engine["num_gpu_blocks"]
+    assert int(line["budget"]) > cap
 
 
 def test_excluded_plugin_leaves_vllm_as_without_it(tiny_model: str) -> None:

@@ -45,6 +45,17 @@ def test_metrics_show_the_cap_and_blocks_within_it(server) -> None:
     assert blocks * block_size * 2 * 2 * 2 * 64 * 2 <= 16 * MiB
 
 
+@pytest.mark.plugin_only  # run-time resize
+def test_resize_routes_absent_without_the_flag(server) -> None:
+    """Endpoints that change an engine are off by default: without
+    --enable-kv-cache-resize a capped server has no resize route."""
+    base, _ = server
+    assert requests.get(f"{base}/kv_cache/max_memory", timeout=60).status_code == 404
+    assert requests.post(f"{base}/kv_cache/max_memory", json={"size": "8M"}, timeout=60).status_code == 404
+    # The server is up and capped: the 404s are not those of a server that is not.
+    assert requests.get(f"{base}/health", timeout=60).status_code == 200
+
+
 @pytest.mark.smoke
 def test_api_server_help_lists_the_flag_under_cache_config() -> None:
     import subprocess

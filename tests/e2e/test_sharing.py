@@ -1,6 +1,8 @@
 """Sharing one device: with a cap, an instance starts whenever it fits, in
-any order, without tuning --gpu-memory-utilization. Real vLLM CPU engines;
-each test first creates and asserts the condition vLLM alone refuses."""
+any order, without tuning --gpu-memory-utilization; three servers side by
+side each hold the whole blocks of their own cap and serve concurrent
+completions. Real vLLM CPU engines; each test first creates and asserts the
+condition vLLM alone refuses."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from tests.e2e.conftest import (
     run_probe,
     server_args,
 )
+from tests.e2e.test_side_by_side import kv_bytes_per_block, metric_labels, metric_sum
 from tests.e2e.test_startup_failures import RUN_MARKER, run_watched, wait_until_gone
 
 MiB = 2**20
@@ -101,11 +104,54 @@ def test_three_servers_each_hold_exactly_their_cap(three_servers) -> None:
         assert [int(b) for b in reply.json()["results"]] == [CAPS[name]], name
 
 
+REQUESTS_PER_SERVER = 3
+PROMPTS = ["Hello, my name is", "The capital of France is", "Once upon a time"]
+
+
 def test_three_servers_answer_concurrent_completions(three_servers) -> None:
-    bases = [base for base, _ in three_servers.values()] * 2
-    with ThreadPoolExecutor(max_workers=len(bases)) as pool:
-        replies = list(pool.map(lambda base: complete(base, max_tokens=8), bases))
-    assert [r["usage"]["completion_tokens"] for r in replies] == [8] * len(bases)
+    jobs = [(base, prompt) for base, _ in three_servers.values() for prompt in PROMPTS[:REQUESTS_PER_SERVER]]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        replies = list(pool.map(lambda job: complete(*job, max_tokens=8), jobs))
+    assert len(replies) == len(CAPS) * REQUESTS_PER_SERVER
+    for reply in replies:
+        assert reply["usage"]["completion_tokens"] == 8, reply
+        assert isinstance(reply["choices"][0]["text"], str)
+    # Each server counted its own requests.
+    for name, (base, _) in three_servers.items():
+        metrics = requests.get(f"{base}/metrics", timeout=30).text
+        assert metric_sum(metrics, "vllm:request_success_total") >= REQUESTS_PER_SERVER, name
+
+
+@pytest.mark.parametrize("name", sorted(CAPS))
+def test_each_server_holds_the_whole_blocks_of_its_own_cap(three_servers, tiny_model: str, name: str) -> None:
+    """Side by side, each server sizes its KV cache by its own cap, as its
+    metrics, its INFO line and vLLM's own account say."""
+    base, log_path = three_servers[name]
+    cap = CAPS[name]
+    info = metric_labels(requests.get(f"{base}/metrics", timeout=30).text, "vllm:cache_config_info")
+    assert int(info["kv_cache_max_memory"]) == cap
+    blocks, block_size = int(info["num_gpu_blocks"]), int(info["block_size"])
+    per_block = kv_bytes_per_block(tiny_model, block_size)
+    # The whole blocks that fit in this server's cap: no more, and no fewer.
+    assert blocks * per_block <= cap < (blocks + 1) * per_block
+
+    log = log_path.read_text()
+    line = re.search(r"KV cache max memory: \S+ = (\d+) bytes.*?(\d+) blocks, (\d+) tokens", log)
+    assert line, log[-3000:]
+    assert int(line[1]) == cap and int(line[2]) == blocks and int(line[3]) == blocks * block_size
+    # vLLM's own account of the KV cache it made.
+    tokens = re.search(r"KV cache size: ([\d,]+) tokens", log)
+    assert tokens and int(tokens[1].replace(",", "")) * per_block // block_size <= cap
+
+
+def test_three_servers_have_block_counts_in_the_ratio_of_their_caps(three_servers) -> None:
+    counts = {
+        name: int(
+            metric_labels(requests.get(f"{base}/metrics", timeout=30).text, "vllm:cache_config_info")["num_gpu_blocks"]
+        )
+        for name, (base, _) in three_servers.items()
+    }
+    assert counts["b"] == 2 * counts["a"] and counts["c"] == 3 * counts["a"], counts
 
 
 def test_three_servers_measured_memory_one_at_a_time(three_servers) -> None:

@@ -1,25 +1,20 @@
-"""Engines side by side on one machine, each with its own cap: two OpenAI
-API servers serving concurrent completions, and tensor parallel 2 on the
-CPU backend, where each worker keeps to the cap."""
+"""Workers side by side on one machine, each with the cap: tensor parallel 2
+and pipeline parallel 2 on the CPU backend, where each worker keeps to it.
+Servers side by side, each with its own cap, are checked on
+``test_sharing``'s three servers."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
-
-from tests.e2e.conftest import api_servers, complete, engine_env, server_args
 
 MiB = 2**20
-CAPS = {"small": 16 * MiB, "large": 32 * MiB}
-REQUESTS_PER_SERVER = 4
-PROMPTS = ["Hello, my name is", "The capital of France is", "Once upon a time", "1 2 3 4 5"]
+CAP = 16 * MiB
 
 
 def kv_bytes_per_block(model: str, block_size: int, tensor_parallel_size: int = 1) -> int:
@@ -85,70 +80,10 @@ def metric_sum(metrics: str, name: str) -> float:
     )
 
 
-@pytest.fixture(scope="module")
-def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
-    """Both servers, started at the same time; each with its own cap and, when
-    the machine allows, its own CPU cores."""
-    cpus = allowed_cpus()
-    specs = {}
-    for i, (name, cap) in enumerate(CAPS.items()):
-        env = engine_env()
-        if len(cpus) >= len(CAPS):
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i])
-        args = server_args(tiny_model, f"{cap // MiB}M", 0.2)
-        specs[name] = (args, env)
-    with api_servers(specs, tmp_path_factory.mktemp("side-by-side")) as running:
-        yield running
-
-
-def test_two_servers_serve_concurrent_completions(servers) -> None:
-    jobs = [(base, prompt) for base, _ in servers.values() for prompt in PROMPTS[:REQUESTS_PER_SERVER]]
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-        replies = list(pool.map(lambda job: complete(*job), jobs))
-    assert len(replies) == len(CAPS) * REQUESTS_PER_SERVER
-    for reply in replies:
-        assert reply["usage"]["completion_tokens"] == 16, reply
-        assert isinstance(reply["choices"][0]["text"], str)
-    # Each server counted its own requests.
-    for name, (base, _) in servers.items():
-        metrics = requests.get(f"{base}/metrics", timeout=30).text
-        assert metric_sum(metrics, "vllm:request_success_total") >= REQUESTS_PER_SERVER, name
-
-
-@pytest.mark.parametrize("name", sorted(CAPS))
-def test_each_server_allocates_no_more_than_its_own_cap(servers, tiny_model: str, name: str) -> None:
-    base, log_path = servers[name]
-    cap = CAPS[name]
-    info = metric_labels(requests.get(f"{base}/metrics", timeout=30).text, "vllm:cache_config_info")
-    assert int(info["kv_cache_max_memory"]) == cap
-    blocks, block_size = int(info["num_gpu_blocks"]), int(info["block_size"])
-    per_block = kv_bytes_per_block(tiny_model, block_size)
-    # The whole blocks that fit in this server's cap: no more, and no fewer.
-    assert blocks * per_block <= cap < (blocks + 1) * per_block
-
-    log = log_path.read_text()
-    line = re.search(r"KV cache max memory: \S+ = (\d+) bytes.*?(\d+) blocks, (\d+) tokens", log)
-    assert line, log[-3000:]
-    assert int(line[1]) == cap and int(line[2]) == blocks and int(line[3]) == blocks * block_size
-    # vLLM's own account of the KV cache it made.
-    tokens = re.search(r"KV cache size: ([\d,]+) tokens", log)
-    assert tokens and int(tokens[1].replace(",", "")) * per_block // block_size <= cap
-
-
-def test_servers_have_different_block_counts(servers) -> None:
-    counts = {
-        name: int(
-            metric_labels(requests.get(f"{base}/metrics", timeout=30).text, "vllm:cache_config_info")["num_gpu_blocks"]
-        )
-        for name, (base, _) in servers.items()
-    }
-    assert counts["large"] == 2 * counts["small"], counts
-
-
 def test_tensor_parallel_2_each_worker_respects_the_cap(probe, tiny_model: str) -> None:
     """Tensor parallel 2 on the CPU backend: the cap is per worker, measured
     in each worker from its KV cache tensors."""
-    cap = CAPS["small"]
+    cap = CAP
     result = run_two_workers(probe, "tensor parallel 2", "tensor-parallel worker", cap, tensor_parallel_size=2)
     per_block = kv_bytes_per_block(tiny_model, result["block_size"], tensor_parallel_size=2)
     assert len(result["kv_cache_bytes"]) == 2
@@ -164,7 +99,7 @@ def test_pipeline_parallel_2_each_worker_respects_the_cap(probe, tiny_model: str
     of the two layers and keeps to the cap. Only the allocation is checked:
     generating with pipeline parallelism fails in vLLM 0.32's CPU build with
     or without the plugin (an AssertionError in the second stage's worker)."""
-    cap = CAPS["small"]
+    cap = CAP
     result = run_two_workers(
         probe, "pipeline parallel 2", "pipeline stage's worker", cap, pipeline_parallel_size=2, prompts=[]
     )

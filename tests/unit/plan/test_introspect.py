@@ -226,3 +226,25 @@ def test_hybrid_and_attention_free_models_are_refused(
         architectures=["MambaForCausalLM"],
     )
     assert "MambaForCausalLM is attention-free" in fails([mamba], capsys)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "mixtral"])
+def test_other_architectures_are_exact(
+    arch: str, tmp_path: Path, cpu_vllm: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The full-attention architectures whose engine runs are ``slow``
+    (tests/e2e/test_plan_e2e.py, outside CI): the planner reads each through
+    vLLM's own code as exact, with the bytes per token of its config and
+    whole blocks per request, as for Llama (whose engine run is in CI)."""
+    from tests.tiny_model import build_tiny_model
+
+    model = str(build_tiny_model(tmp_path / arch, arch))
+    plan = plan_json([model, "--max-model-len", "1024", "--concurrency", "3"], capsys)
+    assert plan["exact"] is True and plan["estimate"] is None, plan["estimate"]
+    config = json.loads(Path(model, "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * BF16
+    assert plan["bytes_per_token"] == per_token
+    assert plan["bytes_per_block"] == per_token * CPU_BLOCK
+    assert plan["blocks_per_request"] == math.ceil(1024 / CPU_BLOCK)
+    assert plan["required_blocks"] == 3 * plan["blocks_per_request"] + 1
