@@ -101,6 +101,11 @@ def _read(fd: int) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+class LedgerBusy(Exception):
+    """Another process holds the ledger's lock, and the transaction was not
+    to wait for it (a decision in the engine core's step loop)."""
+
+
 @dataclass
 class View:
     """The ledger as one transaction sees it (its lock held)."""
@@ -144,9 +149,16 @@ class Ledger:
         self.record: dict[str, Any] = {}
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[View]:
-        """Hold the ledger's lock and see the other live entries."""
-        fcntl.flock(self.lock_fd, fcntl.LOCK_EX)
+    def transaction(self, wait: bool = True) -> Iterator[View]:
+        """Hold the ledger's lock and see the other live entries. With
+        ``wait=False``, raise :class:`LedgerBusy` at once when another
+        process holds the lock: anyone who may open the lock file may hold
+        it (a peer stopped mid-transaction, another user), and the step loop
+        must never wait on it."""
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise LedgerBusy(f"{os.path.join(self.path, LEDGER_LOCK)} is locked by another process") from None
         try:
             if self.entry_fd < 0:  # join: created under the lock, so no reader sees it unlocked
                 self.entry_name = f"{secrets.token_hex(8)}{ENTRY_SUFFIX}"

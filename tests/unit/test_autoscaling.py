@@ -560,3 +560,75 @@ def test_shutdown_waits_for_a_decision_in_progress(tmp_path: Path) -> None:
     shutdown.join(30)
     assert order == ["decision ends, ledgers 1", "vLLM's shutdown"], order
     assert scaler.ledgers == [] and lock.acquire(blocking=False)
+
+
+def hold_ledger_lock(folder: Path) -> int:
+    """Take the ledger's lock as any outside process could (the lock file
+    is open to every user): returns the descriptor whose closing drops it."""
+    import fcntl
+    import os
+
+    (ledger_dir,) = folder.glob("budget-*")
+    fd = os.open(ledger_dir / "ledger.lock", os.O_RDONLY | os.O_NOFOLLOW)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def test_a_ledger_held_by_another_process_never_stalls_a_decision(
+    pair, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ledger's lock held from outside: a decision returns at once,
+    keeping the limit the budget granted, says so once (not at every
+    decision) and in the status, and decides again once the lock is free."""
+    import os
+    import time
+
+    a, sa, b, sb, budget = pair
+    a.demand(100)
+    tick(a, sa, 100.0)
+    granted = a.limit
+    assert granted > sa.floor  # the premise: a limit the budget granted, above the floor
+    fd = hold_ledger_lock(tmp_path)
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
+            a.demand(250)  # wants more
+            # In a thread, so that a decision waiting on the lock fails the test instead of hanging it.
+            decisions = threading.Thread(target=lambda: [tick(a, sa, 100.0 + step) for step in range(1, 21)])
+            started = time.monotonic()
+            decisions.start()
+            decisions.join(timeout=10)
+            assert not decisions.is_alive(), "a decision waited on the ledger's lock held by another process"
+            took = time.monotonic() - started
+            assert took < 5, f"20 decisions took {took:.1f} s with the ledger held"
+            assert a.limit == granted, a.calls
+            assert caplog.text.count("is locked by another process") == 1, caplog.text
+            assert sa.status()["ledger_locked_s"] is not None
+    finally:
+        os.close(fd)
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
+        tick(a, sa, 200.0)
+    assert a.limit > granted, a.calls  # the lock is free: the grow is decided
+    assert "free again after" in caplog.text and "20 decisions kept the limit" in caplog.text, caplog.text
+    assert sa.status()["ledger_locked_s"] is None
+    assert (sa.held + sb.held) * BPB <= budget
+
+
+def test_a_failure_at_every_decision_is_logged_once_per_episode(caplog: pytest.LogCaptureFixture) -> None:
+    engine = Engine()
+    scaler = autoscaler(engine, None)
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a scheduler in an odd state")
+
+    original = scaler.scaler.decide
+    scaler.scaler.decide = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
+        for step in range(30):
+            tick(engine, scaler, 100.0 + step)
+        assert caplog.text.count("KV cache autoscaling failed in this step") == 1, caplog.text
+        assert caplog.text.count("Traceback") == 1
+        assert scaler.status()["failing_s"] is not None
+        scaler.scaler.decide = original  # type: ignore[method-assign]
+        tick(engine, scaler, 200.0)
+    assert "works again after 30 failed decisions" in caplog.text, caplog.text
+    assert scaler.status()["failing_s"] is None

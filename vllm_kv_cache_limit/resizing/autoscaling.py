@@ -19,7 +19,7 @@ from vllm.logger import init_logger
 
 from vllm_kv_cache_limit import autoscale, resize, startup_lock
 from vllm_kv_cache_limit.autoscale import Scaler, Share
-from vllm_kv_cache_limit.budget import Ledger, View
+from vllm_kv_cache_limit.budget import Ledger, LedgerBusy, View
 from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError, KVCacheResizeError
 from vllm_kv_cache_limit.resize import Allocation
 from vllm_kv_cache_limit.sizes import format_size
@@ -36,6 +36,35 @@ AUTOSCALE = "kv_cache_autoscale"
 MIN_MEMORY = "kv_cache_min_memory"
 SHARED_BUDGET = "kv_cache_shared_budget"
 """The ``CacheConfig`` attributes the engine arguments are carried in."""
+
+
+@dataclass
+class Episode:
+    """A run of decisions that could not be made, logged once when it
+    starts and once when it ends (with how many there were), not at every
+    decision."""
+
+    since: float | None = None
+    count: int = 0
+
+    def begin(self, now: float) -> bool:
+        """Count one; whether it starts an episode."""
+        self.count += 1
+        if self.since is None:
+            self.since = now
+            return True
+        return False
+
+    def end(self, now: float) -> tuple[int, float] | None:
+        """Close an episode in progress: (decisions, seconds), else None."""
+        if self.since is None:
+            return None
+        ended = (self.count, now - self.since)
+        self.since, self.count = None, 0
+        return ended
+
+    def seconds(self, now: float) -> float | None:
+        return None if self.since is None else round(now - self.since, 1)
 
 
 @dataclass
@@ -71,6 +100,10 @@ class Autoscaler:
     last_tick: float = 0.0
     changes: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
+    ledger_busy: Episode = field(default_factory=lambda: Episode())
+    """Decisions that found the ledger locked by another process (and kept the limit)."""
+    failing: Episode = field(default_factory=lambda: Episode())
+    """Decisions that failed with an error (and kept the limit)."""
 
     @property
     def floor(self) -> int:
@@ -114,9 +147,18 @@ class Autoscaler:
             self.last_tick = now
             self._tick(engine_core, pool_limit, now, demand)
         except Exception:
-            logger.exception(
-                "KV cache autoscaling failed in this step; the limit stays at %d blocks.", pool_limit.limit
-            )
+            if self.failing.begin(now):
+                logger.exception(
+                    "KV cache autoscaling failed in this step; the limit stays at %d blocks (logged once until "
+                    "a decision works again).",
+                    pool_limit.limit,
+                )
+        else:
+            ended = self.failing.end(now)
+            if ended is not None:
+                logger.info(
+                    "KV cache autoscaling works again after %d failed decisions over %.1f s.", ended[0], ended[1]
+                )
 
     def _tick(self, engine_core: Any, state: Any, now: float, demand: int) -> None:
         limit = state.limit
@@ -132,7 +174,7 @@ class Autoscaler:
         else:
             reason = f"demand below the limit for {self.scaler.policy.shrink_after_s:g} s"
         if self.budget is not None:
-            new, gave = self._within_budget(limit, new, drained)
+            new, gave = self._within_budget(limit, new, drained, now)
             if gave:
                 reason = "another instance needs the shared budget"
         if new is None or new == limit:
@@ -171,12 +213,40 @@ class Autoscaler:
         me = Share(holds=holds * unit, wants=self.target * unit, floor=self.floor * unit)
         return me, [Share(int(o["holds"]), int(o["wants"]), int(o["floor"])) for o in self.others]
 
-    def _within_budget(self, limit: int, new: int | None, drained: bool) -> tuple[int | None, bool]:
+    def _within_budget(
+        self, limit: int, new: int | None, drained: bool, now: float | None = None
+    ) -> tuple[int | None, bool]:
         """``new`` bounded by the ledger, and a give-back when others need
-        the budget; writes this instance's entry."""
+        the budget; writes this instance's entry. When another process holds
+        a ledger's lock, no change (the limit in force is one the budget
+        granted): tried again at a later decision, never waited for."""
+        assert self.budget is not None
+        now = time.monotonic() if now is None else now
+        try:
+            decided = self._decide_within_budget(limit, new, drained)
+        except LedgerBusy as exc:
+            if self.ledger_busy.begin(now):
+                logger.warning(
+                    "KV cache autoscaling: the shared budget's ledger %s; the limit stays at %d blocks until it "
+                    "is free (tried again at each decision, never waited for; logged once).",
+                    exc,
+                    limit,
+                )
+            return None, False
+        ended = self.ledger_busy.end(now)
+        if ended is not None:
+            logger.info(
+                "KV cache autoscaling: the shared budget's ledger is free again after %.1f s "
+                "(%d decisions kept the limit).",
+                ended[1],
+                ended[0],
+            )
+        return decided
+
+    def _decide_within_budget(self, limit: int, new: int | None, drained: bool) -> tuple[int | None, bool]:
         assert self.budget is not None
         unit = self.unit
-        with self.transaction() as views:
+        with self.transaction(wait=False) as views:
             self.others = _instances(views)
             if drained:
                 self.held = limit
@@ -196,9 +266,11 @@ class Autoscaler:
         return new, gave
 
     @contextlib.contextmanager
-    def transaction(self) -> Any:
+    def transaction(self, wait: bool = True) -> Any:
+        """Every device's ledger under its lock; ``wait=False``: raise
+        ``LedgerBusy`` at once (having released any taken) when one is held."""
         with contextlib.ExitStack() as stack:
-            yield [stack.enter_context(ledger.transaction()) for ledger in self.ledgers]
+            yield [stack.enter_context(ledger.transaction(wait)) for ledger in self.ledgers]
 
     def _write(self, views: list[View]) -> None:
         """This instance's entry in every ledger, unless it is unchanged."""
@@ -226,6 +298,8 @@ class Autoscaler:
             "held_bytes": self.held * self.unit if self.budget is not None else None,
             "devices": list(self.devices) if self.budget is not None else None,
             "others": [{k: o.get(k) for k in ("label", "holds", "wants", "floor")} for o in self.others],
+            "ledger_locked_s": self.ledger_busy.seconds(time.monotonic()),
+            "failing_s": self.failing.seconds(time.monotonic()),
         }
 
     def close(self) -> None:
@@ -365,6 +439,8 @@ def start_deciding(scaler: Autoscaler, lock: threading.RLock, decide: Callable[[
     lock, and its steps decide; a decision in progress makes the next call
     wait for it."""
 
+    failing = Episode()  # this thread's own: a step's decision keeps the scaler's
+
     def run() -> None:
         while not scaler.stop.wait(TICK_S):
             if not lock.acquire(blocking=False):
@@ -373,7 +449,16 @@ def start_deciding(scaler: Autoscaler, lock: threading.RLock, decide: Callable[[
                 if not scaler.stop.is_set():
                     decide()
             except Exception:  # the thread goes on; the next decision may work
-                logger.exception("KV cache autoscaling failed while the engine idled.")
+                if failing.begin(time.monotonic()):
+                    logger.exception(
+                        "KV cache autoscaling failed while the engine idled (logged once until a decision works again)."
+                    )
+            else:
+                ended = failing.end(time.monotonic())
+                if ended is not None:
+                    logger.info(
+                        "KV cache autoscaling works again after %d failed decisions over %.1f s.", ended[0], ended[1]
+                    )
             finally:
                 lock.release()
 
