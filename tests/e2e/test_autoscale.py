@@ -293,6 +293,46 @@ def test_container_instance_shares_the_lock_and_the_ledger(pair: dict[str, Any])
     assert windows[0][1] <= windows[1][0], windows
 
 
+STALL_BOUND_S = 60
+"""Eight short completions on an idle server answer well within this, with
+or without the ledger's lock held from outside."""
+
+
+def test_a_ledger_lock_held_from_outside_stalls_no_request(pair: dict[str, Any]) -> None:
+    """Anyone who may open the ledger's lock file may hold it: while an
+    outside process holds it, A answers every completion and its status in
+    time, keeps its limit, and says it found the ledger locked; once the
+    lock is free, it decides with the ledger again."""
+    import fcntl
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.conftest import complete
+
+    a, log_a = pair["servers"]["a"]
+    (ledger_dir,) = pair["locks"].glob("budget-*")
+    seen = len(log_a.read_text())
+    fd = os.open(ledger_dir / "ledger.lock", os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        # The premise: A's decisions meet the held lock (one per tick, idle or not).
+        wait_for(lambda: status(a)["autoscale"]["ledger_locked_s"] is not None, "A to find the ledger locked", 60)
+        before = status(a)  # no decision changes the limit from here while the lock is held
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            replies = list(pool.map(lambda i: complete(a, f"{i} Hello", max_tokens=8), range(8)))
+        took = time.monotonic() - started
+        assert [r["usage"]["completion_tokens"] for r in replies] == [8] * 8
+        assert took < STALL_BOUND_S, f"8 completions took {took:.0f} s with the ledger's lock held"
+        held = status(a)
+        assert held["kv_cache_limit_bytes"] == before["kv_cache_limit_bytes"], (before, held)
+        wait_for(lambda: "is locked by another process" in log_a.read_text()[seen:], "A to log the locked ledger", 60)
+    finally:
+        os.close(fd)  # drops the lock
+    wait_for(lambda: status(a)["autoscale"]["ledger_locked_s"] is None, "A to use the ledger again", 60)
+    wait_for(lambda: "ledger is free again after" in log_a.read_text()[seen:], "A to log the free ledger", 60)
+    assert log_a.read_text()[seen:].count("is locked by another process") == 1  # once, not at every decision
+
+
 def test_killed_instance_gives_its_share_back(pair: dict[str, Any]) -> None:
     a = pair["servers"]["a"][0]
     floor = status(a)["autoscale"]["floor_bytes"]

@@ -31,6 +31,9 @@ TICK_S = 0.1
 """Seconds between two decisions (and two wake-ups of an idle engine core)."""
 JOIN_TIMEOUT_S = 120.0
 """Seconds a starting instance waits for the others to give back its floor."""
+LEDGER_LOCKED_LOG_S = 1.0
+"""How long decisions find the ledger locked by another process before it
+is logged (once): another instance's transaction holds it for a moment."""
 
 AUTOSCALE = "kv_cache_autoscale"
 MIN_MEMORY = "kv_cache_min_memory"
@@ -46,6 +49,7 @@ class Episode:
 
     since: float | None = None
     count: int = 0
+    logged: bool = False
 
     def begin(self, now: float) -> bool:
         """Count one; whether it starts an episode."""
@@ -60,7 +64,7 @@ class Episode:
         if self.since is None:
             return None
         ended = (self.count, now - self.since)
-        self.since, self.count = None, 0
+        self.since, self.count, self.logged = None, 0, False
         return ended
 
     def seconds(self, now: float) -> float | None:
@@ -225,16 +229,21 @@ class Autoscaler:
         try:
             decided = self._decide_within_budget(limit, new, drained)
         except LedgerBusy as exc:
-            if self.ledger_busy.begin(now):
+            busy = self.ledger_busy
+            busy.begin(now)
+            if not busy.logged and busy.since is not None and now - busy.since >= LEDGER_LOCKED_LOG_S:
+                busy.logged = True
                 logger.warning(
-                    "KV cache autoscaling: the shared budget's ledger %s; the limit stays at %d blocks until it "
-                    "is free (tried again at each decision, never waited for; logged once).",
+                    "KV cache autoscaling: the shared budget's ledger %s (for %.1f s); the limit stays at %d "
+                    "blocks until it is free (tried again at each decision, never waited for; logged once).",
                     exc,
+                    now - busy.since,
                     limit,
                 )
             return None, False
+        logged = self.ledger_busy.logged
         ended = self.ledger_busy.end(now)
-        if ended is not None:
+        if ended is not None and logged:
             logger.info(
                 "KV cache autoscaling: the shared budget's ledger is free again after %.1f s "
                 "(%d decisions kept the limit).",
