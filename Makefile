@@ -10,6 +10,11 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 KV_CACHE_MAX_MEMORY ?= 64M
 PYTEST_ARGS ?=
+# make test runs two test files at once (pytest-xdist): most of a test's time
+# is an interpreter importing torch and vLLM, one core each. A module's tests
+# stay in one process (their shared engines); modules marked `alone` run by
+# themselves (tests/e2e/conftest.py).
+TEST_WORKERS ?= -n 2 --dist loadfile
 # vLLM CPU builds in the support window, each tested end to end by the smoke
 # set (pytest -m smoke) in its own virtual environment .venv-cpu-VERSION.
 MATRIX_VERSIONS := 0.29.0 0.30.0 0.31.0 0.32.0
@@ -51,8 +56,8 @@ serve: install model
 		--max-model-len 1024 \
 		--kv-cache-max-memory $(KV_CACHE_MAX_MEMORY)
 
-test: install
-	$(VPY) -m pytest $(PYTEST_ARGS)
+test: install model
+	$(VPY) -m pytest $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The tests outside CI (marker slow): each one's behaviour is guarded in CI
 # by a cheaper test, listed in tests/README.md.

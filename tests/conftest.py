@@ -28,11 +28,21 @@ REFERENCE_PYTHON = os.environ.get("KV_CACHE_LIMIT_REFERENCE_PYTHON") or None
 with."""
 
 
+E2E_TIMEOUT_S = 420
+"""The time limit of an end-to-end test (pytest-timeout; its module's
+engines' start-up included when it is the first to need them), so that a
+hung engine ends its test in minutes. The few load tests that need longer
+say so with their own ``pytest.mark.timeout``. Unit tests keep the
+project-wide limit (``timeout`` in pyproject.toml)."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = Path(str(item.fspath)).relative_to(REPO / "tests").parts
         if parts and parts[0] in ("unit", "e2e", "gpu", "cuda_wheel"):
             item.add_marker(getattr(pytest.mark, parts[0]))
+        if parts and parts[0] == "e2e" and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
         if UPSTREAM and item.get_closest_marker("plugin_only"):
             item.add_marker(pytest.mark.skip(reason="a plugin feature; not in the upstream patch"))
 

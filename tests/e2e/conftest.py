@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,16 +44,62 @@ memory segment named after the group's distributed port
 port then fails: "create shm in SHMManager failed. errno: 17"."""
 
 
+def _in_use(paths: set[Path]) -> set[Path]:
+    """Those of ``paths`` that a live process has open or mapped."""
+    wanted = {str(path) for path in paths}
+    found: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text().splitlines():
+                name = line.split(maxsplit=5)[-1]
+                if name in wanted:
+                    found.add(name)
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target in wanted:
+                        found.add(target)
+    return {Path(name) for name in found}
+
+
 @pytest.fixture(autouse=True)
 def _remove_leaked_cpu_shm() -> Iterator[None]:
     """Removes the CPU backend's shared-memory segments that appeared during
-    a test, so that no later engine collides with one. A segment still mapped
-    by a running engine (a module's server) stays usable: unlinking removes
-    only its name."""
+    a test and that no live process has open or mapped (left by engines that
+    were killed), so that no later engine collides with one. Segments of
+    running engines stay, also those of another test running at the same
+    time (``make test`` runs two at once)."""
     before = set(CPU_SHM.glob(CPU_SHM_PATTERN))
     yield
-    for path in set(CPU_SHM.glob(CPU_SHM_PATTERN)) - before:
+    appeared = set(CPU_SHM.glob(CPU_SHM_PATTERN)) - before
+    for path in appeared - _in_use(appeared):
         path.unlink(missing_ok=True)
+
+
+MODULE_LOCK = Path(tempfile.gettempdir()) / f"vllm-kv-cache-limit-tests-{os.getuid()}.lock"
+"""``make test`` runs two test files at once (pytest-xdist, ``--dist
+loadfile``). A module marked ``alone`` holds this file's lock exclusively
+while it runs, the others shared: its premises on the memory node's free
+memory (ballast, vLLM's gate, fit checks) are then not moved by another
+module's engines. The kernel drops the lock with the process."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_lock(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Set up before the module's other fixtures (autouse), so that its
+    servers start inside the lock."""
+    import fcntl
+
+    alone = request.node.get_closest_marker("alone") is not None
+    fd = os.open(MODULE_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
 
 
 def with_plugins(*folders: Path | str) -> str:
