@@ -12,9 +12,10 @@ KV_CACHE_MAX_MEMORY ?= 64M
 PYTEST_ARGS ?=
 # make test runs two test files at once (pytest-xdist): most of a test's time
 # is an interpreter importing torch and vLLM, one core each. A module's tests
-# stay in one process (their shared engines); modules marked `alone` run by
-# themselves (tests/e2e/conftest.py).
-TEST_WORKERS ?= -n 2 --dist loadfile
+# stay in one process (their shared engines; tests/conftest.py groups them);
+# modules marked `alone` run by themselves, one after the other
+# (tests/e2e/conftest.py).
+TEST_WORKERS ?= -n 2 --dist loadgroup
 # vLLM CPU builds in the support window, each tested end to end by the smoke
 # set (pytest -m smoke) in its own virtual environment .venv-cpu-VERSION.
 MATRIX_VERSIONS := 0.29.0 0.30.0 0.31.0 0.32.0
@@ -116,7 +117,7 @@ test-upstream: $(UPSTREAM_VENV)/.patched $(DEPS)
 		tests/engine/test_kv_cache_max_memory_args.py
 	$(UPSTREAM_VENV)/bin/python -m tests.tiny_model $(MODEL)
 	KV_CACHE_LIMIT_TARGET=upstream KV_CACHE_LIMIT_REFERENCE_PYTHON=$(CURDIR)/$(VPY) \
-		$(UPSTREAM_VENV)/bin/python -m pytest -m smoke -p no:cacheprovider tests/e2e $(PYTEST_ARGS)
+		$(UPSTREAM_VENV)/bin/python -m pytest -m smoke -p no:cacheprovider $(TEST_WORKERS) tests/e2e $(PYTEST_ARGS)
 	$(VPY) scripts/check_upstream_patch.py
 
 # Every CPU build in the window, one after the other.

@@ -5,6 +5,7 @@ and what the folders share: the repository's root and the tiny model."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,13 @@ say so with their own ``pytest.mark.timeout``. Unit tests keep the
 project-wide limit (``timeout`` in pyproject.toml)."""
 
 
+ALONE_GROUP = "alone"
+"""The pytest-xdist group of the modules marked ``alone`` (see
+``tests/e2e/conftest.py``): one worker runs them one after the other, while
+the other worker waits at its next end-to-end module."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = Path(str(item.fspath)).relative_to(REPO / "tests").parts
@@ -43,8 +51,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, parts[0]))
         if parts and parts[0] == "e2e" and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
+        # make test (pytest-xdist --dist loadgroup): a module's tests in one
+        # worker, with its module-scoped engines; the alone modules in one;
+        # the unit tests in one. pytest-xdist hands out the groups with the
+        # most tests first: the unit tests (hundreds, no engine) and the
+        # alone modules start side by side, and the other worker waits
+        # least at its first end-to-end module.
+        if parts and parts[0] == "unit":
+            group = "unit"
+        elif item.get_closest_marker("alone"):
+            group = ALONE_GROUP
+        else:
+            group = "/".join(parts)
+        item.add_marker(pytest.mark.xdist_group(group))
         if UPSTREAM and item.get_closest_marker("plugin_only"):
             item.add_marker(pytest.mark.skip(reason="a plugin feature; not in the upstream patch"))
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Each test leaves the process environment as it found it: plugin code
+    run in the test process (a unit test's ``create_engine_config``, the
+    error relay) sets its internal variables for its children, and one left
+    behind would reach every engine a later test starts in this process
+    (``make test`` runs unit and end-to-end tests in the same workers)."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")

@@ -59,12 +59,18 @@ others on a shared machine."""
 
 def engine_env(**extra: str) -> dict[str, str]:
     """The environment for an engine in a child process: this process's,
-    with ``ENGINE_ENV`` and without a cap from the environment (the caller
-    sets the cap it means), plus ``extra``."""
+    with ``ENGINE_ENV``, without a cap from the environment (the caller
+    sets the cap it means) or the plugin's internal variables, plus
+    ``extra``."""
+    from vllm_kv_cache_limit import envs
     from vllm_kv_cache_limit.policy import ENV_VAR
 
     env = {**os.environ, **ENGINE_ENV}
     env.pop(ENV_VAR, None)
+    # The plugin's internal variables belong to the process tree of one
+    # engine; a test process that ran plugin code may still carry them.
+    env.pop(envs.ERROR_FILE, None)
+    env.pop(envs.INACTIVE_WARNED, None)
     env.update(extra)
     return env
 

@@ -81,7 +81,7 @@ def _remove_leaked_cpu_shm() -> Iterator[None]:
 
 MODULE_LOCK = Path(tempfile.gettempdir()) / f"vllm-kv-cache-limit-tests-{os.getuid()}.lock"
 """``make test`` runs two test files at once (pytest-xdist, ``--dist
-loadfile``). A module marked ``alone`` holds this file's lock exclusively
+loadgroup``, a module's tests in one worker). A module marked ``alone`` holds this file's lock exclusively
 while it runs, the others shared: its premises on the memory node's free
 memory (ballast, vLLM's gate, fit checks) are then not moved by another
 module's engines. The kernel drops the lock with the process."""
