@@ -32,9 +32,9 @@ with."""
 E2E_TIMEOUT_S = 420
 """The time limit of an end-to-end test (pytest-timeout; its module's
 engines' start-up included when it is the first to need them), so that a
-hung engine ends its test in minutes. The few load tests that need longer
-say so with their own ``pytest.mark.timeout``. Unit tests keep the
-project-wide limit (``timeout`` in pyproject.toml)."""
+hung engine ends its test in minutes. A test that needs longer says so
+with its own ``pytest.mark.timeout``. Unit tests keep the project-wide
+limit (``timeout`` in pyproject.toml)."""
 
 
 ALONE_GROUP = "alone"
