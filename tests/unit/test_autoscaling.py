@@ -632,3 +632,40 @@ def test_a_failure_at_every_decision_is_logged_once_per_episode(caplog: pytest.L
         tick(engine, scaler, 200.0)
     assert "works again after 30 failed decisions" in caplog.text, caplog.text
     assert scaler.status()["failing_s"] is None
+
+
+def test_shutdown_never_closes_the_ledger_under_a_decision_that_outlasts_its_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decision longer than the shutdown's wait: vLLM's shutdown goes on,
+    the ledger's descriptors stay open while the decision may still use
+    them, and the timer closes them as the decision ends."""
+    from vllm_kv_cache_limit.resizing import engine_core
+
+    monkeypatch.setattr(engine_core, "SHUTDOWN_WAIT_S", 0.2)
+    engine = Engine()
+    scaler = started(engine, autoscaler(engine, 300 * BPB), tmp_path)
+    core = type("Core", (), {})()
+    core._kvcl_autoscaler = scaler
+    lock = threading.RLock()
+    setattr(core, autoscaling.ENGINE_LOCK, lock)
+    deciding, release = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def decide() -> None:  # a long decision: it still uses the ledger when it ends
+        deciding.set()
+        release.wait(30)
+        seen.append(len(scaler.ledgers) and scaler.ledgers[0].lock_fd)
+
+    timer = autoscaling.start_deciding(scaler, lock, decide)
+    assert deciding.wait(30)
+    order: list[str] = []
+    engine_core._leave_budget_first(lambda core: order.append("vLLM's shutdown"))(core)
+    assert order == ["vLLM's shutdown"]  # it did not wait for the decision
+    assert len(scaler.ledgers) == 1 and scaler.ledgers[0].lock_fd >= 0  # nothing closed under it
+    release.set()
+    timer.join(timeout=30)
+    assert not timer.is_alive()
+    assert seen and seen[0] >= 0, seen  # the decision ended with the ledger still open
+    assert scaler.ledgers == []  # ... and the timer left it then
+    assert not list(tmp_path.glob("budget-*/*.entry"))

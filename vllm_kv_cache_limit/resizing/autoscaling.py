@@ -108,6 +108,12 @@ class Autoscaler:
     """Decisions that found the ledger locked by another process (and kept the limit)."""
     failing: Episode = field(default_factory=lambda: Episode())
     """Decisions that failed with an error (and kept the limit)."""
+    timer: threading.Thread | None = None
+    """An in-process engine core's timer (``start_deciding``), else None."""
+    close_when_stopped: bool = False
+    """Set by a shutdown that could not wait for the timer's decision: the
+    timer closes the ledgers once its decision ends."""
+    _closing: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def floor(self) -> int:
@@ -312,10 +318,12 @@ class Autoscaler:
         }
 
     def close(self) -> None:
+        """Stop deciding and leave every ledger; once, from any thread."""
         self.stop.set()
-        for ledger in self.ledgers:
-            ledger.close()
-        self.ledgers = []
+        with self._closing:
+            ledgers, self.ledgers = self.ledgers, []
+            for ledger in ledgers:
+                ledger.close()
 
 
 def _instances(views: list[View]) -> list[dict[str, Any]]:
@@ -470,7 +478,10 @@ def start_deciding(scaler: Autoscaler, lock: threading.RLock, decide: Callable[[
                     )
             finally:
                 lock.release()
+        if scaler.close_when_stopped:  # a shutdown went on without waiting for the last decision
+            scaler.close()
 
     thread = threading.Thread(target=run, name="kv-cache-autoscale", daemon=True)
+    scaler.timer = thread
     thread.start()
     return thread

@@ -109,23 +109,50 @@ def _leave_budget_first(original: Callable) -> Callable:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         scaler: Autoscaler | None = getattr(self, "_kvcl_autoscaler", None)
         if scaler is not None:
-            # An in-process engine core's timer may be deciding (vLLM's
-            # finalizer calls this without the client's lock): let it end.
-            lock = getattr(self, autoscaling.ENGINE_LOCK, None)
-            locked = lock is not None and lock.acquire(timeout=SHUTDOWN_WAIT_S)
             self._kvcl_autoscaler = None
             try:
-                scaler.close()
+                left = _leave_budget(self, scaler)
             except Exception:  # never in the way of vLLM's own shutdown
                 logger.exception("Leaving the shared KV cache budget's ledger failed; the process exit drops it.")
             else:
-                logger.debug("KV cache autoscale off: the engine core shuts down; its ledger entries are removed.")
-            finally:
-                if lock is not None and locked:
-                    lock.release()
+                if left:
+                    logger.debug("KV cache autoscale off: the engine core shuts down; its ledger entries are removed.")
         return original(self, *args, **kwargs)
 
     return method
+
+
+def _leave_budget(engine_core: Any, scaler: Autoscaler) -> bool:
+    """Stop the autoscaler and leave its ledgers; whether it left them now.
+    An in-process engine core's timer may be deciding (vLLM's finalizer
+    calls shutdown without the client's lock): it starts no other decision,
+    and this one may end within ``SHUTDOWN_WAIT_S``. One that does not keeps
+    its ledger's descriptors (it may still write through them), and the
+    timer closes them as it ends."""
+    scaler.stop.set()
+    lock = getattr(engine_core, autoscaling.ENGINE_LOCK, None)
+    if lock is None:
+        scaler.close()
+        return True
+    if lock.acquire(timeout=SHUTDOWN_WAIT_S):
+        try:
+            scaler.close()
+        finally:
+            lock.release()
+        return True
+    scaler.close_when_stopped = True
+    timer = scaler.timer
+    if timer is not None:
+        timer.join(timeout=0.5)
+    if timer is None or not timer.is_alive():
+        scaler.close()
+        return True
+    logger.warning(
+        "An autoscaling decision is still in progress after %g s; the engine core shuts down, and its shared "
+        "budget's ledger entries go when the decision ends (or the process exits).",
+        SHUTDOWN_WAIT_S,
+    )
+    return False
 
 
 def _between_steps(engine_core: Any) -> None:
