@@ -669,3 +669,25 @@ def test_shutdown_never_closes_the_ledger_under_a_decision_that_outlasts_its_wai
     assert seen and seen[0] >= 0, seen  # the decision ended with the ledger still open
     assert scaler.ledgers == []  # ... and the timer left it then
     assert not list(tmp_path.glob("budget-*/*.entry"))
+
+
+def test_a_grow_the_engine_refuses_leaves_the_ledger_as_it_was(pair, tmp_path: Path) -> None:
+    """The ledger granted a grow, setting the limit failed: the entry holds
+    what it held before, not the grow that never happened."""
+    import json
+
+    a, sa, b, sb, budget = pair
+    held = sa.held
+    refused: list[int] = []
+
+    def set_limit(engine: Any, nbytes: int, mode: str) -> dict[str, Any]:
+        refused.append(nbytes // BPB)
+        return {"error": "the workers did not answer"}
+
+    sa.set_limit = set_limit
+    a.demand(150)
+    tick(a, sa, 100.0)
+    assert refused and refused[0] > held  # the premise: a grow the budget granted was tried
+    assert a.limit == sa.floor and sa.held == held, (a.limit, sa.held, held)
+    entries = [json.loads(e.read_text()) for e in tmp_path.glob("budget-*/*.entry")]
+    assert sorted(int(e["holds"]) for e in entries) == sorted([held * BPB, sb.held * BPB]), entries

@@ -121,6 +121,33 @@ def test_a_change_that_fails_inside_vllm_is_rolled_back(pool) -> None:
     assert "error" not in status and status["num_blocks_limit"] == 4 and status["num_blocks_in_use_above_limit"] == 2
 
 
+def test_a_ceiling_whose_limit_fails_is_not_kept(pool) -> None:
+    """Autoscaling: a manual resize below the limit in force sets the
+    limit, then the ceiling; when the limit cannot be set, the ceiling
+    stays as it was."""
+    from vllm_kv_cache_limit.autoscale import Policy, Scaler
+    from vllm_kv_cache_limit.resizing import autoscaling
+
+    allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
+    pool._kvcl_allocation = allocation
+    limit_of(pool, BLOCKS)
+    held = pool.get_new_blocks(BLOCKS - 1)
+    pool.free_blocks([b for b in held if b.block_id not in (6, 7)])
+    core = _FailingEngineCore(pool, [pool.blocks[6], pool.blocks[7]])
+    core._kvcl_autoscaler = autoscaling.Autoscaler(
+        allocation=allocation,
+        scaler=Scaler(Policy(2, 1, shrink_after_s=30.0)),
+        ceiling=BLOCKS,
+        set_limit=resizing.engine_core._set_limit,
+        group_caps=[(16, 1)],
+        max_model_len=16,
+    )
+    result = resizing.engine_core._kv_cache_limit_set(core, 4 * 1024, "preempt")
+    assert result.get("failed") is True and "preemption broke" in result["error"], result
+    assert core._kvcl_autoscaler.ceiling == BLOCKS  # not the refused 4
+    assert pool._kvcl_limit.limit == BLOCKS
+
+
 class _CoreClient:
     """vLLM's engine-core client as the routes see it: one utility call, one reply."""
 

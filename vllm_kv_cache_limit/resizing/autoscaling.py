@@ -183,20 +183,35 @@ class Autoscaler:
             reason = "above the ceiling"
         else:
             reason = f"demand below the limit for {self.scaler.policy.shrink_after_s:g} s"
+        held = self.held
         if self.budget is not None:
             new, gave = self._within_budget(limit, new, drained, now)
             if gave:
                 reason = "another instance needs the shared budget"
         if new is None or new == limit:
             return
-        self.apply(engine_core, limit, new, reason)
+        if not self.apply(engine_core, limit, new, reason) and self.held != held:
+            self._take_back(held)
 
-    def apply(self, engine_core: Any, old: int, new: int, reason: str) -> None:
+    def _take_back(self, held: int) -> None:
+        """A grow the ledger granted but the engine could not apply: the
+        entry holds what it held before (all of the change or none of it).
+        With the ledger locked by another process this waits for the next
+        decision, which writes the entry again."""
+        self.held = held
+        try:
+            with self.transaction(wait=False) as views:
+                self._write(views)
+        except LedgerBusy:
+            pass
+
+    def apply(self, engine_core: Any, old: int, new: int, reason: str) -> bool:
+        """Set the limit; whether it was set."""
         bpb = self.allocation.bytes_per_block
         reply = self.set_limit(engine_core, new * bpb, "drain")
         if resize.is_error(reply):
             logger.warning("KV cache autoscaling could not set the limit to %d blocks: %s", new, reply["error"])
-            return
+            return False
         self.changes += 1
         logger.info(
             "KV cache autoscale: limit %s -> %s per worker (%d -> %d blocks of %d allocated; demand %d blocks; %s)%s.",
@@ -209,6 +224,7 @@ class Autoscaler:
             reason,
             self._budget_text(),
         )
+        return True
 
     def _budget_text(self) -> str:
         if self.budget is None:

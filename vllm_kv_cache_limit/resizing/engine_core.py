@@ -255,16 +255,21 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
             )
     except KVCacheResizeError as exc:
         return {"error": str(exc)}
-    scaler.ceiling = ceiling
     state = _limit_of(self)
+    reply = None
+    if state is not None and state.limit > ceiling:
+        # The limit first: refused or failed, the ceiling stays as it was
+        # (all of the change or none of it).
+        reply = _set_limit(self, ceiling * scaler.allocation.bytes_per_block, mode)
+        if resize.is_error(reply):
+            return reply
+    scaler.ceiling = ceiling
     logger.info(
         "KV cache autoscale: ceiling set to %s per worker (%d blocks); the autoscaler stays under it.",
         format_size(int(nbytes)),
         ceiling,
     )
-    if state is not None and state.limit > ceiling:
-        return _set_limit(self, ceiling * scaler.allocation.bytes_per_block, mode)
-    return _kv_cache_limit_status(self)
+    return reply if reply is not None else _kv_cache_limit_status(self)
 
 
 def _set_limit(self: Any, nbytes: int, mode: str, log: bool = True) -> dict[str, Any]:
