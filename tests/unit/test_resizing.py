@@ -126,7 +126,7 @@ def test_a_ceiling_whose_limit_fails_is_not_kept(pool) -> None:
     limit, then the ceiling; when the limit cannot be set, the ceiling
     stays as it was."""
     from vllm_kv_cache_limit.autoscale import Policy, Scaler
-    from vllm_kv_cache_limit.resizing import autoscaling
+    from vllm_kv_cache_limit.resizing import autoscaling, engine_core
 
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
     pool._kvcl_allocation = allocation
@@ -138,11 +138,11 @@ def test_a_ceiling_whose_limit_fails_is_not_kept(pool) -> None:
         allocation=allocation,
         scaler=Scaler(Policy(2, 1, shrink_after_s=30.0)),
         ceiling=BLOCKS,
-        set_limit=resizing.engine_core._set_limit,
+        set_limit=engine_core._set_limit,
         group_caps=[(16, 1)],
         max_model_len=16,
     )
-    result = resizing.engine_core._kv_cache_limit_set(core, 4 * 1024, "preempt")
+    result = engine_core._kv_cache_limit_set(core, 4 * 1024, "preempt")
     assert result.get("failed") is True and "preemption broke" in result["error"], result
     assert core._kvcl_autoscaler.ceiling == BLOCKS  # not the refused 4
     assert pool._kvcl_limit.limit == BLOCKS
