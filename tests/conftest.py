@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,13 +38,42 @@ with its own ``pytest.mark.timeout``. Unit tests keep the project-wide
 limit (``timeout`` in pyproject.toml)."""
 
 
-ALONE_GROUP = "alone"
-"""The pytest-xdist group of the modules marked ``alone`` (see
-``tests/e2e/conftest.py``): one worker runs them one after the other, while
-the other worker waits at its next end-to-end module."""
+ALONE_MODULES = ("e2e/test_cap.py", "e2e/test_sharing.py")
+"""End-to-end modules whose premises are on the memory node's free memory
+(ballast, vLLM's own gate, the fit checks): each runs while no other
+end-to-end module does (``_module_lock`` in ``tests/e2e/conftest.py``), and
+``make test`` gives them to one worker, one after the other."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def xdist_group(path: str) -> str:
+    """The group of a test file (relative to ``tests/``) under ``make test``
+    (pytest-xdist): a module's tests run in one worker, with its
+    module-scoped engines; the alone modules in one; the unit tests in one."""
+    if path.startswith("unit/"):
+        return "unit"
+    if path in ALONE_MODULES:
+        return "alone"
+    return path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` by :func:`xdist_group`, read from each test's
+    path (pytest-xdist's own groups ride on a node id suffix this pytest no
+    longer reads). pytest-xdist hands out the groups with the most tests
+    first: the unit tests (hundreds, no engine) and the alone modules start
+    side by side, so the other worker waits least at its first end-to-end
+    module."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModuleGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid.split("::", 1)[0].removeprefix("tests/"))
+
+    return ByModuleGroup(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = Path(str(item.fspath)).relative_to(REPO / "tests").parts
@@ -51,19 +81,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, parts[0]))
         if parts and parts[0] == "e2e" and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
-        # make test (pytest-xdist --dist loadgroup): a module's tests in one
-        # worker, with its module-scoped engines; the alone modules in one;
-        # the unit tests in one. pytest-xdist hands out the groups with the
-        # most tests first: the unit tests (hundreds, no engine) and the
-        # alone modules start side by side, and the other worker waits
-        # least at its first end-to-end module.
-        if parts and parts[0] == "unit":
-            group = "unit"
-        elif item.get_closest_marker("alone"):
-            group = ALONE_GROUP
-        else:
-            group = "/".join(parts)
-        item.add_marker(pytest.mark.xdist_group(group))
+
         if UPSTREAM and item.get_closest_marker("plugin_only"):
             item.add_marker(pytest.mark.skip(reason="a plugin feature; not in the upstream patch"))
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests import helpers
-from tests.conftest import REPO, TEST_MAX_MODEL_LEN, UPSTREAM
+from tests.conftest import ALONE_MODULES, REPO, TEST_MAX_MODEL_LEN, UPSTREAM
 
 ENGINE_TIMEOUT_S = 300
 
@@ -80,11 +80,11 @@ def _remove_leaked_cpu_shm() -> Iterator[None]:
 
 
 MODULE_LOCK = Path(tempfile.gettempdir()) / f"vllm-kv-cache-limit-tests-{os.getuid()}.lock"
-"""``make test`` runs two test files at once (pytest-xdist, ``--dist
-loadgroup``, a module's tests in one worker). A module marked ``alone`` holds this file's lock exclusively
-while it runs, the others shared: its premises on the memory node's free
-memory (ballast, vLLM's gate, fit checks) are then not moved by another
-module's engines. The kernel drops the lock with the process."""
+"""``make test`` runs two test files at once (pytest-xdist). A module of
+``ALONE_MODULES`` holds this file's lock exclusively while it runs, the
+others shared: its premises on the memory node's free memory (ballast,
+vLLM's gate, fit checks) are then not moved by another module's engines.
+The kernel drops the lock with the process."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -93,7 +93,7 @@ def _module_lock(request: pytest.FixtureRequest) -> Iterator[None]:
     servers start inside the lock."""
     import fcntl
 
-    alone = request.node.get_closest_marker("alone") is not None
+    alone = Path(str(request.node.fspath)).relative_to(REPO / "tests").as_posix() in ALONE_MODULES
     fd = os.open(MODULE_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)

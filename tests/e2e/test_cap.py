@@ -11,8 +11,7 @@ import pytest
 
 from tests.e2e.conftest import cap_error, node_memory
 
-pytestmark = pytest.mark.alone  # premises on the memory node's free memory
-
+# Runs alone (tests/conftest.py, ALONE_MODULES): premises on the memory node's free memory.
 MiB = 2**20
 INFO_RE = re.compile(
     r"KV cache max memory: \S+ = (?P<cap>\d+) bytes .*? vLLM budget (?P<budget>\d+) bytes .*?; "

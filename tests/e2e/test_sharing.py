@@ -30,8 +30,7 @@ from tests.e2e.conftest import (
 from tests.e2e.test_side_by_side import kv_bytes_per_block, metric_labels, metric_sum
 from tests.e2e.test_startup_failures import RUN_MARKER, run_watched, wait_until_gone
 
-pytestmark = pytest.mark.alone  # premises on the memory node's free memory
-
+# Runs alone (tests/conftest.py, ALONE_MODULES): premises on the memory node's free memory.
 MiB = 2**20
 GiB = 2**30
 CPU_DEFAULT_UTILIZATION = 0.92
