@@ -539,17 +539,24 @@ def test_a_client_call_waits_for_a_decision_in_progress() -> None:
     assert call(plain, 2) == 2 and order[-1] == "call 2"
 
 
+def in_process_core(folder: Path) -> tuple[autoscaling.Autoscaler, Any, threading.RLock]:
+    """An in-process engine core stand-in with an autoscaler in a ledger
+    under ``folder`` and its autoscaling lock."""
+    engine = Engine()
+    scaler = started(engine, autoscaler(engine, 300 * BPB), folder)
+    core = type("Core", (), {})()
+    core._kvcl_autoscaler = scaler
+    lock = threading.RLock()
+    setattr(core, autoscaling.ENGINE_LOCK, lock)
+    return scaler, core, lock
+
+
 def test_shutdown_waits_for_a_decision_in_progress(tmp_path: Path) -> None:
     """vLLM's finalizer calls ``EngineCore.shutdown`` without the client's
     lock: the ledger is left only once the timer's decision has ended."""
     from vllm_kv_cache_limit.resizing.engine_core import _leave_budget_first
 
-    engine = Engine()
-    scaler = started(engine, autoscaler(engine, 300 * BPB), tmp_path)
-    core = type("Core", (), {})()
-    core._kvcl_autoscaler = scaler
-    lock = threading.RLock()
-    setattr(core, autoscaling.ENGINE_LOCK, lock)
+    scaler, core, lock = in_process_core(tmp_path)
     order: list[str] = []
     end_decision = decision_in_progress(lock, order, lambda: f"decision ends, ledgers {len(scaler.ledgers)}")
     shutdown = threading.Thread(target=_leave_budget_first(lambda core: order.append("vLLM's shutdown")), args=(core,))
@@ -643,12 +650,7 @@ def test_shutdown_never_closes_the_ledger_under_a_decision_that_outlasts_its_wai
     from vllm_kv_cache_limit.resizing import engine_core
 
     monkeypatch.setattr(engine_core, "SHUTDOWN_WAIT_S", 0.2)
-    engine = Engine()
-    scaler = started(engine, autoscaler(engine, 300 * BPB), tmp_path)
-    core = type("Core", (), {})()
-    core._kvcl_autoscaler = scaler
-    lock = threading.RLock()
-    setattr(core, autoscaling.ENGINE_LOCK, lock)
+    scaler, core, lock = in_process_core(tmp_path)
     deciding, release = threading.Event(), threading.Event()
     seen: list[int] = []
 
