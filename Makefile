@@ -130,3 +130,29 @@ test-matrix:
 
 clean:
 	rm -rf $(VENV) .venv-cpu-* $(UPSTREAM_VENV) models .pytest_cache .hypothesis
+
+# vLLM's CUDA wheel (VLLM_VERSION, any release in the window) without a GPU,
+# in its own environment .venv-cuda-VERSION: the wheel, its requirements less
+# the GPU kernel packages (scripts/cuda_wheel_requirements.py), the torch it
+# pins, the plugin and the test tools. Then tests/cuda_wheel (marker
+# cuda_wheel): vLLM's real GPU-path code through the plugin's hooks, only the
+# device faked (torch's CUDA readings, the platform).
+VLLM_VERSION ?= 0.34.0
+CUDA_VENV := .venv-cuda-$(VLLM_VERSION)
+
+.PHONY: test-cuda-wheel
+
+.venv-cuda-%/.deps: scripts/cuda_wheel_requirements.py
+	rm -rf .venv-cuda-$*
+	$(PYTHON) -m venv .venv-cuda-$*
+	.venv-cuda-$*/bin/python -m pip install -q --upgrade pip
+	.venv-cuda-$*/bin/python -m pip install -q --no-deps "vllm==$*"
+	.venv-cuda-$*/bin/python scripts/cuda_wheel_requirements.py > .venv-cuda-$*/requirements.txt
+	.venv-cuda-$*/bin/python -m pip install -q -r .venv-cuda-$*/requirements.txt \
+		hatchling packaging pytest pytest-mock pytest-timeout pytest-xdist hypothesis psutil
+	touch $@
+
+test-cuda-wheel: $(CUDA_VENV)/.deps
+	$(CUDA_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation --force-reinstall .
+	$(CUDA_VENV)/bin/python -c "from importlib.metadata import version; v = version('vllm'); assert v == '$(VLLM_VERSION)', v; print('vLLM', v, '(CUDA wheel)')"
+	$(CUDA_VENV)/bin/python -m pytest -m cuda_wheel -p no:cacheprovider tests/cuda_wheel $(PYTEST_ARGS)

@@ -38,11 +38,13 @@ with its own ``pytest.mark.timeout``. Unit tests keep the project-wide
 limit (``timeout`` in pyproject.toml)."""
 
 
-ALONE_MODULES = ("e2e/test_cap.py", "e2e/test_sharing.py")
-"""End-to-end modules whose premises are on the memory node's free memory
-(ballast, vLLM's own gate, the fit checks): each runs while no other
-end-to-end module does (``_module_lock`` in ``tests/e2e/conftest.py``), and
-``make test`` gives them to one worker, one after the other."""
+ALONE_MODULES = ("e2e/test_cap.py", "e2e/test_sharing.py", "e2e/test_autoscale.py")
+"""End-to-end modules that run while no other end-to-end module does
+(``_module_lock`` in ``tests/e2e/conftest.py``); ``make test`` gives them to
+one worker, one after the other. ``test_cap`` and ``test_sharing`` make
+premises on the memory node's free memory (ballast, vLLM's own gate, the
+fit checks); ``test_autoscale`` loads two servers bound to the two cores
+with 48 clients for minutes, which starved an engine beside it."""
 
 
 def xdist_group(path: str) -> str:

@@ -283,6 +283,11 @@ if __name__ == "__main__":
 """
 
 
+DRIVER_TIMEOUT_S = 300
+"""Within the test's own limit (tests/conftest.py), so that a hung driver
+fails the test with its output."""
+
+
 @pytest.mark.parametrize(
     ("arch", "mode", "variant"),
     [
@@ -319,13 +324,19 @@ def test_outputs_unchanged_across_a_resize_with_prefix_caching(
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind_two_workers(f"{variant.removesuffix('-2')} worker")
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    run = subprocess.run(
-        [sys.executable, str(driver), json.dumps({"model": model, "mode": mode, "engine": engine})],
-        env=engine_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    try:
+        run = subprocess.run(
+            [sys.executable, str(driver), json.dumps({"model": model, "mode": mode, "engine": engine})],
+            env=engine_env(**env),
+            capture_output=True,
+            text=True,
+            timeout=DRIVER_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as exc:  # fail with what it printed, before the test's own limit
+        output = "".join(
+            o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (exc.stdout, exc.stderr)
+        )
+        pytest.fail(f"the driver did not end within {DRIVER_TIMEOUT_S} s:\n{output[-6000:]}")
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"exit {run.returncode}:\n{(run.stdout + run.stderr)[-4000:]}"
     result = json.loads(lines[-1][len("RESULT ") :])

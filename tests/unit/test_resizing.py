@@ -19,6 +19,8 @@ def pool():
     register()  # installs the hooks, BlockPool's wrappers included
     from vllm.v1.core.block_pool import BlockPool
 
+    from vllm_kv_cache_limit.resizing import engine_core  # noqa: F401  (resizing.engine_core, whatever ran before)
+
     return BlockPool(num_gpu_blocks=BLOCKS, enable_caching=True, hash_block_size=16)
 
 
@@ -146,6 +148,10 @@ def test_a_ceiling_whose_limit_fails_is_not_kept(pool) -> None:
     assert result.get("failed") is True and "preemption broke" in result["error"], result
     assert core._kvcl_autoscaler.ceiling == BLOCKS  # not the refused 4
     assert pool._kvcl_limit.limit == BLOCKS
+    # Once the limit can be set, the ceiling follows, and the reply shows it.
+    status = engine_core._kv_cache_limit_set(core, 4 * 1024, "drain")
+    assert "error" not in status and status["num_blocks_limit"] == 4, status
+    assert core._kvcl_autoscaler.ceiling == 4 and status["autoscale"]["ceiling_bytes"] == 4 * 1024, status
 
 
 class _CoreClient:

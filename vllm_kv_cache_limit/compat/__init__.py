@@ -9,7 +9,8 @@
   set); ``source_check``: the same against a vLLM source tree without
   importing it (CI reads the CUDA builds' wheels this way);
 * ``versions``: the supported range and the drift error; ``tables``: the
-  generated docs tables.
+  generated docs tables; ``utilization``: ``--gpu-memory-utilization`` as
+  the installed vLLM resolves it.
 
 Importing this package imports no vLLM.
 """
@@ -29,6 +30,7 @@ from vllm_kv_cache_limit.compat.live import (
 from vllm_kv_cache_limit.compat.planner import PLANNER_APIS, customize_attention_spec, get_hook
 from vllm_kv_cache_limit.compat.source_check import check_attributes_in_source, check_hooks_in_source
 from vllm_kv_cache_limit.compat.tables import attributes_table, hooks_table
+from vllm_kv_cache_limit.compat.utilization import gpu_memory_utilization, set_gpu_memory_utilization
 from vllm_kv_cache_limit.compat.versions import (
     SUPPORTED_VLLM,
     drift_message,
@@ -58,10 +60,12 @@ __all__ = [
     "drift_message",
     "for_version",
     "get_hook",
+    "gpu_memory_utilization",
     "hooks_table",
     "installed_vllm_version",
     "require_vllm",
     "resolve_hook",
+    "set_gpu_memory_utilization",
     "version_supported",
 ]
 

@@ -72,6 +72,13 @@ ATTRIBUTES: tuple[Attribute, ...] = (
         "`_ceiling_request_memory`: names the device in the start-up log and the cap errors",
     ),
     Attribute(
+        ("vllm.config.cache",),
+        "CacheConfig",
+        "gpu_memory_utilization",
+        "`compat.set_gpu_memory_utilization`: lowered to the free memory under a cap (a copy at the GPU gate, "
+        "the worker's own for the CPU gate's call); read by `compat.gpu_memory_utilization` before vLLM 0.34",
+    ),
+    Attribute(
         _CPU_RESOURCES,
         "MemoryNodeInfo",
         "total_memory",

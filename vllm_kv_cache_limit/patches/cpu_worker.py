@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm_kv_cache_limit import compat
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
 from vllm_kv_cache_limit.kv_cache import rss_bytes
@@ -62,14 +63,16 @@ def _ceiling_cpu_worker_init(original: Callable) -> Callable:
             return original(self, vllm_config, *args, **kwargs)
         # The node vLLM's gate in __init__ reads (self has no config yet).
         free, total, device = cpu_node_memory(cpu_memory_node(vllm_config.parallel_config))
-        utilization = cache_config.gpu_memory_utilization
+        utilization = compat.gpu_memory_utilization(cache_config)
+        # The field as given (None on vLLM 0.34+ when unset), restored as it was.
+        given = cache_config.gpu_memory_utilization
         ceiling = utilization_ceiling(total, free, utilization, slack=cpu_gate_slack(free))
         if ceiling:
-            cache_config.gpu_memory_utilization = ceiling
+            compat.set_gpu_memory_utilization(cache_config, ceiling)
         try:
             original(self, vllm_config, *args, **kwargs)
         finally:
-            cache_config.gpu_memory_utilization = utilization
+            compat.set_gpu_memory_utilization(cache_config, given)
         cache_config._kvcl_gate = gate = Gate(device, total, free, int(self.requested_cpu_memory), bool(ceiling))
         log_gate(gate, utilization)
         return None

@@ -208,7 +208,7 @@ def _bound_text(cache_config: Any, decisions: list[CapDecision]) -> str:
         return "bound (KV cache reduced to the cap)"
     if cache_config.kv_cache_memory_bytes is not None:
         return "not bound (--kv-cache-memory-bytes is smaller)"
-    return f"not bound (vLLM's budget under --gpu-memory-utilization {cache_config.gpu_memory_utilization} is smaller)"
+    return f"not bound (vLLM's budget under --gpu-memory-utilization {compat.gpu_memory_utilization(cache_config)} is smaller)"
 
 
 def _name_cap_when_too_small(original: Callable) -> Callable:

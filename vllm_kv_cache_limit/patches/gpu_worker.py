@@ -61,12 +61,12 @@ def _ceiling_request_memory(original: Callable) -> Callable:
             return original(init_snapshot, cache_config, *args, **kwargs)
         external = int(args[0] if args else kwargs.get("external_weight_memory", 0))
         total, free = int(init_snapshot.total_memory), int(init_snapshot.free_memory)
-        utilization = cache_config.gpu_memory_utilization
+        utilization = compat.gpu_memory_utilization(cache_config)
         ceiling = utilization_ceiling(total, free, utilization, external)
         device = str(init_snapshot.device_)  # compat.ATTRIBUTES
         if ceiling:
             lowered = copy.copy(cache_config)
-            lowered.gpu_memory_utilization = ceiling
+            compat.set_gpu_memory_utilization(lowered, ceiling)
             requested = original(init_snapshot, lowered, *args, **kwargs)
         else:
             requested = original(init_snapshot, cache_config, *args, **kwargs)

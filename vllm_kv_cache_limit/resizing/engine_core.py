@@ -256,7 +256,6 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
     except KVCacheResizeError as exc:
         return {"error": str(exc)}
     state = _limit_of(self)
-    reply = None
     if state is not None and state.limit > ceiling:
         # The limit first: refused or failed, the ceiling stays as it was
         # (all of the change or none of it).
@@ -269,7 +268,7 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
         format_size(int(nbytes)),
         ceiling,
     )
-    return reply if reply is not None else _kv_cache_limit_status(self)
+    return _kv_cache_limit_status(self)  # with the new ceiling
 
 
 def _set_limit(self: Any, nbytes: int, mode: str, log: bool = True) -> dict[str, Any]:

@@ -1,0 +1,113 @@
+"""vLLM's GPU worker sizing its KV cache budget: its start-up gate
+(``request_memory``) and its real ``Worker.determine_available_memory``
+(vLLM's ``memory_profiling`` over torch's readings), both as the plugin
+wraps them, on a faked GPU another process shares.
+
+No model can run here, so the model runner is represented by what its
+profiling run does to the device: weights loaded after the start-up
+snapshot, a transient activation peak. Everything the worker computes from
+that is vLLM's own code, run on a config built by ``create_engine_config``
+with vLLM's default utilization (None on 0.34)."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.mem_utils import MemorySnapshot
+from vllm.v1.worker import gpu_worker as vllm_gpu_worker
+
+from tests.conftest import TEST_MAX_MODEL_LEN
+from tests.cuda_wheel.conftest import FakeGPU, GiB
+from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.patches import worker_gate
+from vllm_kv_cache_limit.patches.wrap import WRAPPED
+
+WEIGHTS = 2 * GiB
+ACTIVATION_PEAK = 1 * GiB
+
+
+class _ProfiledRunner:
+    """The model runner as ``determine_available_memory`` uses it: its
+    weights' size, and a profiling run that peaks above them on the device."""
+
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.gpu = gpu
+        self.model_memory_usage = WEIGHTS
+        self.profile_runs = 0
+
+    def profile_run(self, randomize_inputs: bool = False) -> None:
+        self.profile_runs += 1
+        self.gpu.allocate(0, peak=ACTIVATION_PEAK)
+
+    def profile_cudagraph_memory(self) -> int:
+        return 0
+
+
+def _started_worker(gpu: FakeGPU, model: str, cap: str | None) -> vllm_gpu_worker.Worker:
+    """vLLM's GPU worker after ``init_device`` and ``load_model``: its start-up
+    snapshot and request taken through the plugin's gate, then its weights
+    loaded. Built without ``__init__`` (no process group, no real device)."""
+    config = EngineArgs(model=model, max_model_len=TEST_MAX_MODEL_LEN, kv_cache_max_memory=cap).create_engine_config()
+    worker = object.__new__(vllm_gpu_worker.Worker)
+    worker.vllm_config = config
+    worker.cache_config = config.cache_config
+    worker.model_config = config.model_config
+    worker.parallel_config = config.parallel_config
+    worker.local_rank = worker.rank = 0
+    worker.init_snapshot = MemorySnapshot(device="cuda:0")
+    worker.requested_memory = vllm_gpu_worker.request_memory(worker.init_snapshot, worker.cache_config, 0)
+    gpu.allocate(WEIGHTS)
+    worker.model_runner = _ProfiledRunner(gpu)
+    return worker
+
+
+@pytest.fixture(autouse=True)
+def _native_allocator_settings_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker narrows the CUDA caching allocator's splitting around its
+    profiling run; there is no CUDA allocator here to configure."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "cudaMallocAsync")
+
+
+def test_the_plugin_wraps_the_workers_profiling() -> None:
+    assert getattr(vllm_gpu_worker.Worker.determine_available_memory, WRAPPED, False)
+
+
+def test_a_cap_within_what_the_instance_can_get_leaves_vllms_budget(fake_gpu: FakeGPU, tiny_model: str) -> None:
+    """20 of 80 GiB free at start-up: the gate asks for the free memory, and
+    vLLM's budget after profiling is that less the weights and the
+    activation peak; an 8 GiB cap fits in it and is recorded beside it."""
+    fake_gpu.free = 20 * GiB
+    worker = _started_worker(fake_gpu, tiny_model, "8G")
+    gate = worker_gate.gate_of(worker.cache_config)
+    assert gate is not None and gate.limited_by_free and gate.requested == worker.requested_memory
+    assert 20 * GiB - 1 <= worker.requested_memory <= 20 * GiB
+
+    budget = worker.determine_available_memory()
+    assert worker.model_runner.profile_runs == 1
+    assert budget == worker.requested_memory - WEIGHTS - ACTIVATION_PEAK
+    decision = worker_gate.cap_decision_of(worker.vllm_config.compilation_config)
+    assert decision is not None and (decision.cap, decision.budget) == (8 * GiB, budget)
+
+
+def test_a_cap_above_what_the_instance_can_get_is_refused_after_profiling(fake_gpu: FakeGPU, tiny_model: str) -> None:
+    """The same device with an 18 GiB cap: vLLM's budget is 17 GiB, so the
+    cap cannot bind as asked; the worker stops, naming the cap and what fits."""
+    fake_gpu.free = 20 * GiB
+    worker = _started_worker(fake_gpu, tiny_model, "18G")
+    with pytest.raises(
+        KVCacheMaxMemoryError, match=r"larger than what the cuda:0 can still give this instance"
+    ) as raised:
+        worker.determine_available_memory()
+    assert "--kv-cache-max-memory 17" in str(raised.value)
+
+
+def test_without_a_cap_the_profiling_is_vllms_own(fake_gpu: FakeGPU, tiny_model: str) -> None:
+    """No cap: the plugin's wrappers only pass through (the device is free
+    enough for vLLM's own gate)."""
+    worker = _started_worker(fake_gpu, tiny_model, None)
+    assert worker_gate.gate_of(worker.cache_config) is None
+    budget = worker.determine_available_memory()
+    assert budget == worker.requested_memory - WEIGHTS - ACTIVATION_PEAK
+    assert worker_gate.cap_decision_of(worker.vllm_config.compilation_config) is None
