@@ -31,11 +31,14 @@ with."""
 
 
 E2E_TIMEOUT_S = 420
-"""The time limit of an end-to-end test (pytest-timeout; its module's
-engines' start-up included when it is the first to need them), so that a
-hung engine ends its test in minutes. A test that needs longer says so
-with its own ``pytest.mark.timeout``. Unit tests keep the project-wide
-limit (``timeout`` in pyproject.toml)."""
+"""The time limit of an end-to-end test's own call (pytest-timeout,
+``func_only``), so that a hung engine ends its test in minutes. Its
+module's fixtures are bounded on their own: an engine's start-up by
+``ENGINE_TIMEOUT_S``, the wait for the module lock by
+``MODULE_LOCK_WAIT_S`` (``tests/e2e/conftest.py``); a wait for the lock
+while the other worker runs an alone module is not a hang. A test that
+needs longer says so with its own ``pytest.mark.timeout``. Unit tests keep
+the project-wide limit (``timeout`` in pyproject.toml)."""
 
 
 ALONE_MODULES = ("e2e/test_cap.py", "e2e/test_sharing.py", "e2e/test_autoscale.py")
@@ -82,7 +85,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if parts and parts[0] in ("unit", "e2e", "gpu", "cuda_wheel"):
             item.add_marker(getattr(pytest.mark, parts[0]))
         if parts and parts[0] == "e2e" and item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S, func_only=True))
 
         if UPSTREAM and item.get_closest_marker("plugin_only"):
             item.add_marker(pytest.mark.skip(reason="a plugin feature; not in the upstream patch"))

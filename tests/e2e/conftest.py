@@ -87,6 +87,12 @@ vLLM's gate, fit checks) are then not moved by another module's engines.
 The kernel drops the lock with the process."""
 
 
+MODULE_LOCK_WAIT_S = 1800
+"""The longest a module waits for the other worker's modules (an alone
+module waits for the module running beside it; the others for the alone
+modules, about 15 minutes here)."""
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _module_lock(request: pytest.FixtureRequest) -> Iterator[None]:
     """Set up before the module's other fixtures (autouse), so that its
@@ -96,7 +102,15 @@ def _module_lock(request: pytest.FixtureRequest) -> Iterator[None]:
     alone = Path(str(request.node.fspath)).relative_to(REPO / "tests").as_posix() in ALONE_MODULES
     fd = os.open(MODULE_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        deadline = time.monotonic() + MODULE_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if alone else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the other test worker held {MODULE_LOCK} for over {MODULE_LOCK_WAIT_S} s")
+                time.sleep(0.5)
         yield
     finally:
         os.close(fd)
