@@ -71,6 +71,13 @@ class Episode:
         return None if self.since is None else round(now - self.since, 1)
 
 
+def _end_failing(failing: Episode, now: float) -> None:
+    """A decision worked: end a run of failed ones, saying how long it was."""
+    ended = failing.end(now)
+    if ended is not None:
+        logger.info("KV cache autoscaling works again after %d failed decisions over %.1f s.", ended[0], ended[1])
+
+
 @dataclass
 class Autoscaler:
     """One engine core's autoscaling state (on the engine core as ``_kvcl_autoscaler``)."""
@@ -164,11 +171,7 @@ class Autoscaler:
                     pool_limit.limit,
                 )
         else:
-            ended = self.failing.end(now)
-            if ended is not None:
-                logger.info(
-                    "KV cache autoscaling works again after %d failed decisions over %.1f s.", ended[0], ended[1]
-                )
+            _end_failing(self.failing, now)
 
     def _tick(self, engine_core: Any, state: Any, now: float, demand: int) -> None:
         limit = state.limit
@@ -487,11 +490,7 @@ def start_deciding(scaler: Autoscaler, lock: threading.RLock, decide: Callable[[
                         "KV cache autoscaling failed while the engine idled (logged once until a decision works again)."
                     )
             else:
-                ended = failing.end(time.monotonic())
-                if ended is not None:
-                    logger.info(
-                        "KV cache autoscaling works again after %d failed decisions over %.1f s.", ended[0], ended[1]
-                    )
+                _end_failing(failing, time.monotonic())
             finally:
                 lock.release()
         if scaler.close_when_stopped:  # a shutdown went on without waiting for the last decision
