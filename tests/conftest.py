@@ -61,6 +61,7 @@ def xdist_group(path: str) -> str:
     return path
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist may be absent (-p no:xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadgroup`` by :func:`xdist_group`, read from each test's
     path (pytest-xdist's own groups ride on a node id suffix this pytest no

@@ -14,8 +14,10 @@ always sees the others' entries whole, and a grow is checked against all
 of them at once.
 
 Files are opened relative to the folder without following links
-(``O_NOFOLLOW``); the folder itself must be a plain directory, sticky when
-others may write to it. No vLLM import here.
+(``O_NOFOLLOW``); the folder itself must pass the shared folders' rule
+(``shared_folder``): a plain directory, sticky when others may write to it,
+or a group's folder (mode 2770) that restricts the budget to that group.
+No vLLM import here.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kv_cache_limit.startup_lock import LockSetupError, _open_dir, holder_label, lock_name
+from vllm_kv_cache_limit.shared_folder import LockSetupError, open_folder
+from vllm_kv_cache_limit.startup_lock import LOCK_DIR_ENV, holder_label, lock_name
 
 LEDGER_LOCK = "ledger.lock"
 ENTRY_SUFFIX = ".entry"
@@ -41,33 +44,6 @@ RECORD_BYTES = 4096
 def folder_name(key: str) -> str:
     """The ledger folder of a device key such as ``cpu-node0``."""
     return "budget-" + lock_name(key).removesuffix(".lock")
-
-
-def _open_subdir(parent_fd: int, name: str, shown: str) -> int:
-    try:
-        os.mkdir(name, 0o777, dir_fd=parent_fd)
-    except FileExistsError:
-        pass
-    else:
-        with contextlib.suppress(OSError):
-            os.chmod(name, 0o1777, dir_fd=parent_fd)  # shared by every user of the device, like /tmp
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise LockSetupError(
-                f"the budget folder {shown} is not a plain folder (a symbolic link or a file)"
-            ) from None
-        raise
-    mode = os.fstat(fd).st_mode
-    if mode & (stat.S_IWOTH | stat.S_IWGRP) and not mode & stat.S_ISVTX:
-        os.close(fd)
-        raise LockSetupError(
-            f"the budget folder {shown} is writable by others without the sticky bit "
-            f"(mode {stat.S_IMODE(mode):o}); anyone could remove the instances' entries. "
-            "Remove it, or make it sticky (chmod +t)."
-        )
-    return fd
 
 
 def _open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int | None:
@@ -127,9 +103,10 @@ class Ledger:
         self.key = key
         self.label = label or holder_label()
         self.path = os.path.join(folder, folder_name(key))
-        top = _open_dir(folder)
+        advice = f"remove it or set {LOCK_DIR_ENV} to another folder."
+        top = open_folder(folder, folder, "lock folder", advice)
         try:
-            self.dir_fd = _open_subdir(top, folder_name(key), self.path)
+            self.dir_fd = open_folder(folder_name(key), self.path, "budget folder", advice, dir_fd=top)
         finally:
             os.close(top)
         try:

@@ -13,7 +13,8 @@ a cap do not take part.
 Lock files live in one folder (``VLLM_KV_CACHE_LIMIT_LOCK_DIR``, default
 ``<tmp>/vllm-kv-cache-limit``), shared by every user of the device. The folder
 is opened with ``O_NOFOLLOW | O_DIRECTORY`` and each file with ``O_NOFOLLOW``
-relative to it, so a planted symbolic link can redirect neither.
+relative to it, so a planted symbolic link can redirect neither; a folder
+whose entries others may rename is refused (``shared_folder``).
 
 No vLLM import here: the vLLM glue in ``patches.devices`` names the devices.
 """
@@ -31,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 from vllm_kv_cache_limit import envs
+from vllm_kv_cache_limit.shared_folder import LockSetupError, open_folder
 
 logger = logging.getLogger("vllm.plugins.kv_cache_limit")
 
@@ -48,10 +50,6 @@ LABEL_GRACE_S = 2.0
 """How long a waiter may put off its first report for the holder to write
 its name (it does so right after taking the lock), so the report names it."""
 UNKNOWN_HOLDER = "another process"
-
-
-class LockSetupError(OSError):
-    """The lock folder or file is not what it must be (e.g. a symbolic link)."""
 
 
 def enabled(environ: dict[str, str] | os._Environ = os.environ) -> bool:
@@ -76,26 +74,9 @@ def lock_name(key: str) -> str:
 
 
 def _open_dir(path: str) -> int:
-    """Open (creating if needed) the lock folder without following a link."""
-    try:
-        os.mkdir(path, 0o777)
-    except FileExistsError:
-        pass
-    else:
-        # Shared by all users of the device, like /tmp: sticky and writable.
-        try:
-            os.chmod(path, 0o1777)
-        except OSError:
-            pass
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise LockSetupError(
-                f"the lock folder {path} is not a plain folder (a symbolic link or a "
-                f"file); remove it or set {LOCK_DIR_ENV} to another folder"
-            ) from None
-        raise
+    """Open (creating if needed) the lock folder under the shared folders'
+    rule (``shared_folder``)."""
+    return open_folder(path, path, "lock folder", f"remove it or set {LOCK_DIR_ENV} to another folder.")
 
 
 def open_lock_file(folder: str, key: str) -> int:

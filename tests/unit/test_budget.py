@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -245,7 +246,7 @@ def test_a_file_planted_as_the_budget_folder_is_refused(tmp_path: Path) -> None:
         Ledger(str(tmp_path), KEY, label="x")
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o775, 0o770, 0o757])
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o770, 0o757, 0o2777, 0o2707])
 def test_a_budget_folder_others_may_write_without_the_sticky_bit_is_refused(tmp_path: Path, mode: int) -> None:
     sub = tmp_path / folder_name(KEY)
     sub.mkdir()
@@ -258,7 +259,7 @@ def test_a_budget_folder_others_may_write_without_the_sticky_bit_is_refused(tmp_
     assert open_fds() == before
 
 
-@pytest.mark.parametrize("mode", [0o1777, 0o1770, 0o755, 0o700])
+@pytest.mark.parametrize("mode", [0o1777, 0o1770, 0o755, 0o700, 0o2770, 0o3770, 0o2750])
 def test_a_sticky_or_private_budget_folder_is_accepted(tmp_path: Path, ledgers: list[Ledger], mode: int) -> None:
     sub = tmp_path / folder_name(KEY)
     sub.mkdir()
@@ -267,6 +268,19 @@ def test_a_sticky_or_private_budget_folder_is_accepted(tmp_path: Path, ledgers: 
     with ledger.transaction() as view:
         view.write({"holds": 1})
     assert entries(tmp_path) == [ledger.entry_name]
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770])
+def test_a_lock_folder_others_may_rename_entries_in_is_refused_for_the_budget_too(tmp_path: Path, mode: int) -> None:
+    """One rule for the lock folder and the budget folder in it."""
+    top = tmp_path / "locks"
+    top.mkdir()
+    top.chmod(mode)
+    with pytest.raises(
+        LockSetupError, match=f"the lock folder {re.escape(str(top))} is writable by .*\\(mode {mode:o}\\)"
+    ):
+        Ledger(str(top), KEY, label="x")
+    assert list(top.iterdir()) == []  # no budget folder made in it
 
 
 def test_a_planted_symlink_entry_is_not_followed_nor_counted(

@@ -152,6 +152,32 @@ def test_new_lock_folder_is_shared_and_sticky(tmp_path: Path) -> None:
     assert (folder / "GPU-x.lock").stat().st_mode & 0o777 == 0o666
 
 
+@pytest.mark.parametrize("mode", [0o777, 0o2777, 0o775, 0o770])
+def test_a_lock_folder_others_may_rename_files_in_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: int
+) -> None:
+    """The budget folder's rule holds for the lock folder: whoever may rename
+    its files could swap a lock file under a waiting instance."""
+    folder = tmp_path / "locks"
+    folder.mkdir()
+    folder.chmod(mode)
+    with pytest.raises(startup_lock.LockSetupError, match=f"writable by .*\\(mode {mode:o}\\).*chmod \\+t"):
+        startup_lock.open_lock_file(str(folder), "cpu-node0")
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.kv_cache_limit"):
+        held = startup_lock.acquire([("cpu-node0", "node 0")], folder=str(folder), timeout=1)
+    assert held.held == [] and "No KV cache start-up lock for node 0" in caplog.text
+    assert list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o2770, 0o1770, 0o755])
+def test_a_sticky_group_or_private_lock_folder_is_accepted(tmp_path: Path, mode: int) -> None:
+    folder = tmp_path / "locks"
+    folder.mkdir()
+    folder.chmod(mode)
+    with startup_lock.acquire([("cpu-node0", "node 0")], folder=str(folder), timeout=1) as held:
+        assert [label for label, _ in held.held] == ["node 0"]
+
+
 def test_lock_file_names_are_plain() -> None:
     assert startup_lock.lock_name("GPU-1a2b-3c") == "GPU-1a2b-3c.lock"
     assert startup_lock.lock_name("../../etc/passwd") == ".._.._etc_passwd.lock"

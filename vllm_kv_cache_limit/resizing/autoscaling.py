@@ -406,8 +406,9 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
         scaler.close()
         raise KVCacheMaxMemoryError(
             f"--kv-cache-shared-budget: the ledger in {folder} cannot be used: {exc}. "
-            f"Give a lock folder every instance may write to "
-            f"({startup_lock.LOCK_DIR_ENV}), for example one created with mode 1777."
+            f"Give a lock folder every instance of the budget may write to "
+            f"({startup_lock.LOCK_DIR_ENV}): one created with mode 1777 for every user of the device, "
+            "or a group's folder of mode 2770 for the members of that group."
         ) from None
     except BaseException:
         scaler.close()
