@@ -22,7 +22,7 @@ MATRIX_VERSIONS := 0.29.0 0.30.0 0.31.0 0.32.0
 SMOKE_VERSION ?= 0.29.0
 SMOKE_VENV := .venv-cpu-$(SMOKE_VERSION)
 # CUDA wheels whose source the hooks are checked against.
-CUDA_VERSIONS := 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0
+CUDA_VERSIONS := 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0 0.34.0
 # The upstream patch (upstream/): the vLLM CPU build it is tested on, without the plugin.
 UPSTREAM_VERSION := 0.32.0
 UPSTREAM_VENV := .venv-upstream

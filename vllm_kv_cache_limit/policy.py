@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 from vllm_kv_cache_limit import envs
 from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError as KVCacheMaxMemoryError  # re-exported
 from vllm_kv_cache_limit.sizes import format_gib, format_size, parse_size
 
 __all__ = [
+    "CAP_TOLERANCE",
     "cap_error_message",
     "ENV_VAR",
     "FLAG",
@@ -34,11 +36,28 @@ __all__ = [
     "mamba_blocks_message",
     "utilization_ceiling",
     "resolve_cap",
+    "tolerance_bytes",
     "too_small_message",
 ]
 
 FLAG = "--kv-cache-max-memory"
 ENV_VAR = envs.MAX_MEMORY
+
+
+CAP_TOLERANCE = Fraction(1, 100)
+"""How far above the memory the device can give the KV cache a cap is still
+accepted, as a fraction of that memory: vLLM's budget after profiling where
+free memory set it, or before the weights load the free memory less the
+weights. Absorbs rounding (a cap written in whole GiB) and drift between
+readings; the KV cache then gets that memory, never more. Explicit sizes
+(``--kv-cache-memory-bytes``) get none: vLLM allocates them whole, without
+measuring. A ``Fraction`` so that the edges are exact."""
+
+
+def tolerance_bytes(available: int) -> int:
+    """The bytes by which a cap may exceed ``available``: :data:`CAP_TOLERANCE`
+    of it in whole bytes (none when nothing is available)."""
+    return math.floor(max(available, 0) * CAP_TOLERANCE)
 
 
 def _gib(nbytes: int) -> str:
@@ -199,13 +218,15 @@ def utilization_ceiling(total: int, free: int, utilization: float, external: int
     return max(ceiling, 0.0)
 
 
-def check_cap_within_instance(cap: int, budget: int, free_at_start: int, non_kv: int, device: str) -> None:
+def check_cap_within_instance(cap: int, budget: int, free_at_start: int, non_kv: int, device: str) -> int:
     """After the weights load and activations are profiled, on a device whose
     free memory (not ``--gpu-memory-utilization``) limited vLLM's budget: a
-    cap above the budget cannot be given to this instance, because other
-    processes hold the rest of the device."""
-    if cap <= budget:
-        return
+    cap more than :data:`CAP_TOLERANCE` above the budget cannot be given to
+    this instance, because other processes hold the rest of the device.
+    Returns how far a tolerated cap is above the budget (0: not above); the
+    KV cache then gets the budget (``CapDecision.kv_bytes``)."""
+    if cap <= budget + tolerance_bytes(budget):
+        return max(cap - budget, 0)
     fit = (
         f"Choose a cap that fits, for example {FLAG} {format_size(budget, 'down')}, "
         if budget > 0
@@ -239,16 +260,26 @@ def kv_bytes_before_load(cap: int, kv_cache_memory_bytes: int | None, num_gpu_bl
 
 
 def check_cap_fits_before_load(
-    cap: int, weight_bytes: int, workers: int, free: int, device: str, kv_bytes: int | None = None
+    cap: int,
+    weight_bytes: int,
+    workers: int,
+    free: int,
+    device: str,
+    kv_bytes: int | None = None,
+    explicit: bool = False,
 ) -> None:
     """In the first process, before any weights load: refuse a cap that cannot
     possibly fit, that is when ``workers`` KV caches of ``kv_bytes`` (default:
     the cap; see :func:`kv_bytes_before_load`) plus the ``weight_bytes`` these
-    workers load (a lower bound) exceed the ``free`` memory of their devices.
-    Anything else may fit and is left to the workers' checks."""
+    workers load (a lower bound) exceed the ``free`` memory of their devices
+    by more than :data:`CAP_TOLERANCE` of what the weights leave. An
+    ``explicit`` size (``--kv-cache-memory-bytes``, even one the cap reduced
+    to itself) gets no tolerance: vLLM allocates all of it. Anything else may
+    fit and is left to the workers' checks."""
     kv = cap if kv_bytes is None else kv_bytes
     need = weight_bytes + workers * kv
-    if need <= free:
+    tolerance = 0 if explicit or kv != cap else tolerance_bytes(free - weight_bytes)
+    if need <= free + tolerance:
         return
     per_worker = (free - weight_bytes) // workers if workers else 0
     weights = (

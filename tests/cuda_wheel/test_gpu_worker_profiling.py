@@ -11,6 +11,8 @@ with vLLM's default utilization (None on 0.34)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.mem_utils import MemorySnapshot
@@ -101,6 +103,35 @@ def test_a_cap_above_what_the_instance_can_get_is_refused_after_profiling(fake_g
     ) as raised:
         worker.determine_available_memory()
     assert "--kv-cache-max-memory 17" in str(raised.value)
+
+
+def test_a_cap_within_the_tolerance_above_the_budget_gets_the_budget(
+    fake_gpu: FakeGPU, tiny_model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same device, the cap 0.5% above vLLM's 17 GiB budget (rounding,
+    drift between readings): accepted; the KV cache gets the budget, and
+    the worker says so in one INFO line."""
+    fake_gpu.free = 20 * GiB
+    cap = 17 * GiB + 17 * GiB // 200
+    worker = _started_worker(fake_gpu, tiny_model, str(cap))
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
+        budget = worker.determine_available_memory()
+    assert budget == worker.requested_memory - WEIGHTS - ACTIVATION_PEAK
+    decision = worker_gate.cap_decision_of(worker.vllm_config.compilation_config)
+    assert decision is not None and decision.kv_bytes == budget < cap
+    lines = [r.getMessage() for r in caplog.records if "tolerance" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert "within the 1% tolerance" in lines[0] and f"the KV cache gets the budget, {budget} bytes" in lines[0]
+
+
+def test_a_cap_beyond_the_tolerance_above_the_budget_is_refused(fake_gpu: FakeGPU, tiny_model: str) -> None:
+    """1.5% above the same budget: refused after profiling, naming the cap."""
+    fake_gpu.free = 20 * GiB
+    cap = 17 * GiB + 17 * GiB * 15 // 1000
+    worker = _started_worker(fake_gpu, tiny_model, str(cap))
+    with pytest.raises(KVCacheMaxMemoryError, match=rf"^--kv-cache-max-memory \S+ \({cap} bytes") as raised:
+        worker.determine_available_memory()
+    assert "can still give this instance" in str(raised.value)
 
 
 def test_without_a_cap_the_profiling_is_vllms_own(fake_gpu: FakeGPU, tiny_model: str) -> None:

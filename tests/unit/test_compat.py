@@ -4,6 +4,8 @@ name, both by the import check and by the source check CI runs."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -23,7 +25,7 @@ from tests.conftest import REPO
 from vllm_kv_cache_limit import compat, patches, resizing
 
 SCRIPT = REPO / "scripts" / "check_hooks.py"
-NEWEST_CUDA = "0.33.0"
+NEWEST_CUDA = "0.34.0"
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,8 @@ def hook_source_files(installed_root: Path) -> set[Path]:
         package = installed_root.joinpath(*module_name.split("."), "__init__.py")
         return package if not path.is_file() and package.is_file() else path
 
-    for hook in (*compat.HOOKS, *compat.PLANNER_APIS, *compat.RESIZE_HOOKS):
+    version = compat.installed_vllm_version()
+    for hook in compat.for_version((*compat.HOOKS, *compat.PLANNER_APIS, *compat.RESIZE_HOOKS), version):
         for module_name in hook.modules:
             path = module_file(module_name)
             if path.is_file():
@@ -65,6 +68,7 @@ def hook_source_files(installed_root: Path) -> set[Path]:
             path = module_file(module_name)
             if path.is_file() and module_name.startswith("vllm."):
                 files.add(path)
+    files.add(installed_root / "vllm" / "_version.py")  # the release, which decides the hooks it should have
     return files
 
 
@@ -120,12 +124,12 @@ def test_installed_vllm_is_supported_and_every_hook_fits() -> None:
 def test_source_check_agrees_with_import_check(installed_root: Path) -> None:
     """The AST check CI runs on wheels finds every hook in the installed
     source, where the import check finds them too."""
-    assert compat.check_hooks_in_source(installed_root) == []
+    assert compat.check_hooks_in_source(installed_root, version=compat.installed_vllm_version()) == []
 
 
 def test_script_checks_installed_vllm_and_newest_cuda_wheel() -> None:
     """What CI runs: the installed CPU build and the source of the CUDA
-    build of vllm==0.33.0, read from its wheel (kept in .cache/wheels)."""
+    build of vllm==0.34.0, read from its wheel (kept in .cache/wheels)."""
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--download", NEWEST_CUDA],
         capture_output=True,
@@ -152,7 +156,7 @@ def test_script_checks_installed_vllm_and_newest_cuda_wheel() -> None:
 
 
 def test_source_copy_checks_clean(source_copy: Path) -> None:
-    assert compat.check_hooks_in_source(source_copy) == []
+    assert compat.check_hooks_in_source(source_copy, version=compat.installed_vllm_version()) == []
 
 
 @pytest.mark.parametrize(
@@ -183,7 +187,7 @@ def test_source_check_names_missing_or_changed_hook(
     source_copy: Path, qualname: str, pattern: str, replacement: str, expected: str
 ) -> None:
     edit(source_copy, defining_module(qualname), pattern, replacement)
-    problems = compat.check_hooks_in_source(source_copy)
+    problems = compat.check_hooks_in_source(source_copy, version=compat.installed_vllm_version())
     assert len(problems) == 1, problems
     assert expected in problems[0]
 
@@ -216,7 +220,8 @@ def test_version_range() -> None:
     assert compat.version_supported("0.29.0+cpu")
     assert compat.version_supported("0.33.1")
     assert not compat.version_supported("0.28.9")
-    assert not compat.version_supported("0.34.0")
+    assert compat.version_supported("0.34.0")
+    assert not compat.version_supported("0.35.0")
     assert not compat.version_supported("not a version")
 
 
@@ -234,7 +239,8 @@ def test_script_reports_drift_in_a_wheel(
     wheel = tmp_path / "vllm-9.9.9-cp38-abi3-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         for path in source_copy.rglob("*.py"):
-            archive.write(path, path.relative_to(source_copy).as_posix())
+            if path.name != "_version.py":  # the wheel's own metadata names its release
+                archive.write(path, path.relative_to(source_copy).as_posix())
         archive.writestr("vllm/_C.abi3.so", b"\0binary")
         archive.writestr("vllm-9.9.9.dist-info/METADATA", "Name: vllm\nVersion: 9.9.9\n")
     status = script.main(["--no-installed", "--wheel", str(wheel), "--cache-dir", str(tmp_path / "cache")])
@@ -343,13 +349,18 @@ def test_attribute_source_check_agrees_with_import_check(installed_root: Path) -
     """On the installed vLLM's source both checks find every entry, and both
     name every entry once its attribute is renamed (no entry passes by
     accident); Python's standard library entries are left to the import check."""
-    assert compat.check_attributes_in_source(installed_root) == []
-    assert compat.check_attributes_in_source(installed_root, compat.RESIZE_ATTRIBUTES) == []
+    assert compat.check_attributes_in_source(installed_root, version=compat.installed_vllm_version()) == []
+    assert (
+        compat.check_attributes_in_source(
+            installed_root, compat.RESIZE_ATTRIBUTES, version=compat.installed_vllm_version()
+        )
+        == []
+    )
     renamed = tuple(replace(a, attr=f"{a.attr}_renamed") for a in ALL_ATTRIBUTES)
     live = compat.check_attributes(renamed)
     assert len(live) == len(renamed)
     assert all(problem.endswith(f".{a.qualname} is missing") for problem, a in zip(live, renamed)), live
-    in_source = compat.check_attributes_in_source(installed_root, renamed)
+    in_source = compat.check_attributes_in_source(installed_root, renamed, version=compat.installed_vllm_version())
     assert in_source == [problem for problem, a in zip(live, renamed) if not a.not_in_source]
     assert {a.modules[0].partition(".")[0] for a in renamed if a.not_in_source} == {"argparse", "dataclasses"}
 
@@ -373,6 +384,134 @@ def test_attributes_named_in_issue_18_are_listed() -> None:
     } <= listed
     # Called, not read: a hook, checked where resizing checks its attributes.
     assert "AsyncMPClient._call_utility_async" in {h.qualname for h in compat.RESIZE_HOOKS}
+
+
+def test_calls_named_in_issue_36_are_listed() -> None:
+    """Every vLLM function the plugin was found to call, and the module
+    attribute it writes, without an entry: a rename fails the checks
+    instead of raising inside vLLM."""
+    assert {
+        ("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_blocks"),
+        ("vllm.v1.core.kv_cache_manager", "KVCacheBlocks.get_block_ids"),
+        ("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks"),
+        ("vllm.v1.kv_cache_interface", "KVCacheSpec.max_memory_usage_bytes"),
+    } <= {(h.modules[0], h.qualname) for h in compat.RESIZE_HOOKS}
+    assert ("vllm.config.utils", "get_attr_docs") in {(h.modules[0], h.qualname) for h in compat.HOOKS}
+    assert ("vllm.envs", "environment_variables") in {(a.modules[0], a.qualname) for a in compat.ATTRIBUTES}
+
+
+PACKAGE = REPO / "vllm_kv_cache_limit"
+
+
+def _collect(body: list[ast.stmt], prefix: str, found: set[str]) -> None:
+    """Add to ``found`` what ``body`` defines, each name after ``prefix`` (classes' members too)."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(prefix + node.name)
+            if isinstance(node, ast.ClassDef):
+                _collect(node.body, f"{prefix}{node.name}.", found)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.update(prefix + t.id for t in targets if isinstance(t, ast.Name))
+
+
+@functools.cache
+def package_index() -> dict[str, tuple[frozenset[str], frozenset[str]]]:
+    """Module of the package, dotted and relative to it (``compat``,
+    ``resizing.block_pool``) -> what it defines (functions, classes, and
+    their methods and class attributes as ``Class.name``; top-level
+    assignments) and what it imports at its top level, read with ``ast``."""
+    index = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined: set[str] = set()
+        _collect(tree.body, "", defined)
+        imported = {
+            (alias.asname or alias.name).partition(".")[0]
+            for node in tree.body
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names
+        }
+        index[module] = (frozenset(defined), frozenset(imported))
+    return index
+
+
+def _modules_named(prefix: str) -> list[str]:
+    """The package's modules that ``prefix`` (``autoscaling``, ``patches.devices``) names."""
+    return [m for m in package_index() if m == prefix or m.endswith(f".{prefix}")]
+
+
+def defined_in_package(name: str) -> bool:
+    """Whether the package defines ``name``: ``function``, ``Class.method``
+    in any module, or ``module.name`` (the module's own or one it imports)."""
+    parts = name.removeprefix("vllm_kv_cache_limit.").split(".")
+    index = package_index()
+    for i in range(1, len(parts)):
+        rest = ".".join(parts[i:])
+        if any(rest in index[m][0] | index[m][1] for m in _modules_named(".".join(parts[:i]))):
+            return True
+    return any(".".join(parts) in defined for defined, _ in index.values())
+
+
+_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+
+
+def plugin_names_cited(text: str, leading: bool) -> list[str]:
+    """The plugin names ``text`` cites in backticks. With ``leading`` (a
+    ``why``, which starts with the plugin functions that rely on its entry):
+    every one before the first colon. Elsewhere only names qualified by a
+    module of the package (``compat.gpu_memory_utilization``); an
+    unqualified one (``collective_rpc``, ``CacheConfig``) or one qualified
+    otherwise (``dataclasses._FIELD``, ``vllm.envs.x``) is vLLM's or
+    Python's."""
+    head, _, tail = text.partition(": ") if leading else ("", "", text)
+    names = [n for n in re.findall(r"`([^`]*)`", head) if _NAME.fullmatch(n)]
+    for name in re.findall(r"`([^`]*)`", tail):
+        first, dot, _ = name.removeprefix("vllm_kv_cache_limit.").partition(".")
+        if _NAME.fullmatch(name) and dot and _modules_named(first):
+            names.append(name)
+    return names
+
+
+def stale_names(text: str, leading: bool) -> list[str]:
+    """The plugin names ``text`` cites that the package does not define."""
+    return [name for name in plugin_names_cited(text, leading) if not defined_in_package(name)]
+
+
+def test_stale_names_are_found() -> None:
+    """The rule the next test applies: a function gone from the package is
+    found before the colon and, qualified by its module, after it; vLLM's
+    names are left alone."""
+    why = "`_gone`, `Limit.withhold`, `--flag`: read by `compat.gone` and `devices.instance_devices`; `CacheConfig`"
+    assert plugin_names_cited(why, leading=True) == [
+        "_gone",
+        "Limit.withhold",
+        "compat.gone",
+        "devices.instance_devices",
+    ]
+    assert stale_names(why, leading=True) == ["_gone", "compat.gone"]
+    assert stale_names("none yet: `VllmConfig.__post_init__`, `dataclasses._FIELD`", leading=False) == []
+    assert stale_names("`gpu_memory_utilization`, `compat.planner.get_hook`: x", leading=True) == []
+
+
+def test_every_plugin_function_an_entry_names_exists() -> None:
+    """Each attribute's ``why`` starts with the plugin functions that rely
+    on it, and every plugin name an entry cites (those, and names qualified
+    by a module of the package in its ``why`` or in a hook's upstream text)
+    is defined in the package: docs/compatibility.md, generated from them,
+    never points at a function that was renamed or removed."""
+    problems = []
+    for attribute in ALL_ATTRIBUTES:
+        if not plugin_names_cited(attribute.why.partition(": ")[0], leading=True):
+            problems.append(f"{attribute.name}: names no plugin function before its colon ({attribute.why!r})")
+        elif stale := stale_names(attribute.why, leading=True):
+            problems.append(f"{attribute.name}: {', '.join(stale)} ({attribute.why!r})")
+    for hook in (*compat.HOOKS, *compat.RESIZE_HOOKS, *compat.PLANNER_APIS):
+        if stale := stale_names(f"{hook.upstream} {hook.remove_when}", leading=False):
+            problems.append(f"{hook.name}: {', '.join(stale)} ({hook.upstream!r}, {hook.remove_when!r})")
+    assert not problems, "entries name plugin functions the package does not define:\n" + "\n".join(problems)
 
 
 STANDIN_BASE = """
@@ -522,9 +661,11 @@ def test_source_check_names_attribute_removed_from_vllm_source(
 ) -> None:
     """What CI reads in a wheel: a copy of the installed vLLM's source, with
     one attribute gone; the hooks still fit."""
-    assert compat.check_attributes_in_source(source_copy, ALL_ATTRIBUTES) == []
+    assert compat.check_attributes_in_source(source_copy, ALL_ATTRIBUTES, version=compat.installed_vllm_version()) == []
     edit(source_copy, module, pattern, replacement)
-    assert compat.check_attributes_in_source(source_copy, ALL_ATTRIBUTES) == [expected]
+    assert compat.check_attributes_in_source(source_copy, ALL_ATTRIBUTES, version=compat.installed_vllm_version()) == [
+        expected
+    ]
 
 
 def test_standard_library_attributes_are_checked_live_and_skipped_in_source(installed_root: Path) -> None:

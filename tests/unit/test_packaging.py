@@ -91,7 +91,8 @@ def test_require_vllm_explains_how_to_install(monkeypatch: pytest.MonkeyPatch) -
         ("0.29.0+cpu", True),
         ("0.31.9", True),
         ("0.28.9", False),
-        ("0.34.0", False),
+        ("0.34.0", True),
+        ("0.35.0", False),
         ("junk", False),
     ],
 )

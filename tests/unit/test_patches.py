@@ -282,23 +282,30 @@ def test_cuda_fail_fast_weights_plus_caps_against_nvml_free(mocker, tmp_path: Pa
     nvml = mocker.patch.object(patches.devices, "_nvml_free", side_effect=lambda i: free[i])
     cuda_init = mocker.patch("torch.cuda.init")
     config = _engine_config(str(tmp_path), world=2)
-    patches.devices.check_fits_before_load(config, (200 * MiB - weights) // 2)  # fits exactly
+    room = 200 * MiB - weights  # for the two KV caches
+    patches.devices.check_fits_before_load(config, room // 2)  # fits exactly
+    patches.devices.check_fits_before_load(config, (room + room // 100) // 2)  # 1% above: the tolerance
     with pytest.raises(KVCacheMaxMemoryError) as info:
-        patches.devices.check_fits_before_load(config, (200 * MiB - weights) // 2 + 1)
+        patches.devices.check_fits_before_load(config, (room + room // 100) // 2 + 1)
     assert "GPU 0 (GPU-uuid-0) + GPU 1 (GPU-uuid-1)" in str(info.value)
     assert f"weights take at least 2MiB ({weights} bytes)" in str(info.value)
-    assert sorted(c.args[0] for c in nvml.call_args_list) == [0, 0, 1, 1]
+    assert sorted(c.args[0] for c in nvml.call_args_list) == [0, 0, 0, 1, 1, 1]  # each check reads both
     cuda_init.assert_not_called()
     # On-the-fly quantization may shrink the weights: only the caps count then.
     patches.devices.check_fits_before_load(_engine_config(str(tmp_path), 2, "fp8"), 100 * MiB)
     # An explicit size under the cap is what will be allocated: a cap above
     # the free memory passes when the size fits, and the size is named.
     explicit = _engine_config(str(tmp_path), world=2)
-    explicit.cache_config.kv_cache_memory_bytes = (200 * MiB - weights) // 2
+    explicit.cache_config.kv_cache_memory_bytes = room // 2
     patches.devices.check_fits_before_load(explicit, 10 * GiB)
-    explicit.cache_config.kv_cache_memory_bytes += 1
+    explicit.cache_config.kv_cache_memory_bytes += 1  # no tolerance: vLLM allocates all of it
     with pytest.raises(KVCacheMaxMemoryError, match=r"The KV cache of \d+ bytes .* set by --kv-cache-memory-bytes"):
         patches.devices.check_fits_before_load(explicit, 10 * GiB)
+    # Nor when the cap reduced the explicit size to itself.
+    explicit.cache_config.kv_cache_memory_bytes = 10 * GiB
+    patches.devices.check_fits_before_load(explicit, room // 2)
+    with pytest.raises(KVCacheMaxMemoryError, match=r"^--kv-cache-max-memory .* cannot fit"):
+        patches.devices.check_fits_before_load(explicit, room // 2 + 1)
     # A block count: a block's size is not known yet, only the weights count.
     blocks = _engine_config(str(tmp_path), world=2)
     blocks.cache_config.num_gpu_blocks_override = 10**6
@@ -449,7 +456,7 @@ def test_fail_fast_checks_each_local_data_parallel_rank_on_its_own_gpus(mocker, 
     )
     patches.devices.check_fits_before_load(config, 24 * GiB)  # 2 x 24 GiB + weights fit in 50 GiB
     with pytest.raises(KVCacheMaxMemoryError) as info:
-        patches.devices.check_fits_before_load(config, 25 * GiB)
+        patches.devices.check_fits_before_load(config, 26 * GiB)  # 4% above: beyond the 1% tolerance
     message = str(info.value)
     assert "GPU 2 (GPU-uuid-2) + GPU 3 (GPU-uuid-3) of local data-parallel rank 1" in message, message
     assert "--kv-cache-max-memory 24.99GiB" in message, message
@@ -502,6 +509,95 @@ def test_cpu_gate_reads_the_memory_node_vllm_binds_the_worker_to(mocker, monkeyp
     gate = patches.worker_gate.gate_of(capped.cache_config)
     assert gate is not None and gate.device == "host memory node 1 (CPU backend)"
     assert patches.devices.cpu_free_memory(worker) == (6 * GiB, 8 * GiB, "host memory node 1 (CPU backend)")
+
+
+RSS = 1 * GiB
+"""The CPU worker's resident memory (weights, runtime) in the tests below."""
+
+
+def _profiled_cpu_worker(mocker, monkeypatch):
+    """vLLM's own ``CPUWorker``, its ``__init__`` and
+    ``determine_available_memory`` wrapped by the plugin's hooks, on a host
+    whose one memory node has 6 of 8 GiB available (another process holds
+    the rest) and a worker resident in 1 GiB: only those readings are faked.
+    Returns the worker after ``__init__`` and its wrapped
+    ``determine_available_memory``."""
+    import torch
+    from vllm.config import CompilationConfig, ParallelConfig
+    from vllm.utils import cpu_resource_utils
+    from vllm.utils.cpu_resource_utils import LogicalCPUInfo, MemoryNodeInfo
+    from vllm.v1.worker import cpu_worker, gpu_worker
+
+    cpus = [LogicalCPUInfo(id=0, physical_core=0, numa_node=0)]
+    for module in (cpu_resource_utils, cpu_worker):
+        mocker.patch.object(module, "get_allowed_cpu_list", return_value=cpus)
+        mocker.patch.object(module, "get_memory_node_info", return_value=MemoryNodeInfo(8 * GiB, 6 * GiB))
+    mocker.patch.object(cpu_resource_utils, "get_memory_affinity", return_value=[0])
+    monkeypatch.setenv("CPU_VISIBLE_MEMORY_NODES", "0")
+    mocker.patch.object(torch.ops._C, "init_cpu_memory_env")
+    mocker.patch("psutil.Process", return_value=SimpleNamespace(memory_info=lambda: SimpleNamespace(rss=RSS)))
+    mocker.patch.object(patches.cpu_worker, "rss_bytes", return_value=RSS)
+
+    def worker_init(self, vllm_config, *args, **kwargs) -> None:  # what WorkerBase.__init__ keeps
+        self.vllm_config = vllm_config
+        self.cache_config = vllm_config.cache_config
+        self.parallel_config = vllm_config.parallel_config
+        self.compilation_config = vllm_config.compilation_config
+
+    mocker.patch.object(gpu_worker.Worker, "__init__", autospec=True, side_effect=worker_init)
+    init = cpu_worker.CPUWorker.__init__
+    determine = cpu_worker.CPUWorker.determine_available_memory
+    config = SimpleNamespace(
+        cache_config=_cache_config(0.9, 16 * MiB),
+        parallel_config=ParallelConfig(),
+        compilation_config=CompilationConfig(),
+    )
+    worker = object.__new__(cpu_worker.CPUWorker)
+    patches.cpu_worker._ceiling_cpu_worker_init(getattr(init, "__wrapped__", init))(
+        worker, config, 0, 0, "tcp://127.0.0.1:1"
+    )
+    worker.model_runner = SimpleNamespace(warming_up_model=lambda: None)  # its memory is in RSS
+    return worker, patches.cpu_worker._check_cap_fits_cpu(getattr(determine, "__wrapped__", determine))
+
+
+def test_cpu_cap_within_the_tolerance_above_the_budget_starts_with_the_budget(
+    mocker, monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cap 0.5% above what free memory leaves this instance after vLLM's
+    profiling (rounding, drift between readings): accepted, the KV cache
+    gets vLLM's budget, and one INFO line says so."""
+    import logging
+
+    worker, determine_available_memory = _profiled_cpu_worker(mocker, monkeypatch)
+    assert patches.worker_gate.gate_of(worker.cache_config).limited_by_free  # the premise
+    budget = worker.requested_cpu_memory - RSS  # what vLLM's profiling will leave
+    cap = budget + budget // 200
+    worker.cache_config.kv_cache_max_memory = cap
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
+        assert determine_available_memory(worker) == budget
+    decision = patches.worker_gate.cap_decision_of(worker.vllm_config.compilation_config)
+    assert decision is not None and decision.kv_bytes == budget and not decision.bound
+    records = [r for r in caplog.records if "tolerance" in r.getMessage()]
+    assert [(r.name, r.levelno) for r in records] == [("vllm.plugins.kv_cache_limit", logging.INFO)], caplog.text
+    lines = [r.getMessage() for r in records]
+    assert f"({cap} bytes) is {cap - budget} bytes (0.50%) above" in lines[0], lines[0]
+    assert "within the 1% tolerance" in lines[0] and f"the KV cache gets the budget, {budget} bytes" in lines[0]
+
+
+def test_cpu_cap_beyond_the_tolerance_above_the_budget_is_refused(mocker, monkeypatch) -> None:
+    """1.5% above the same budget: refused after profiling, naming the cap."""
+    from vllm_kv_cache_limit.sizes import format_size
+
+    worker, determine_available_memory = _profiled_cpu_worker(mocker, monkeypatch)
+    budget = worker.requested_cpu_memory - RSS
+    cap = budget + budget * 15 // 1000
+    worker.cache_config.kv_cache_max_memory = cap
+    with pytest.raises(KVCacheMaxMemoryError) as info:
+        determine_available_memory(worker)
+    message = str(info.value)
+    assert message.startswith(f"--kv-cache-max-memory {format_size(cap, 'up')} ({cap} bytes"), message
+    assert "can still give this instance" in message and f"({budget} bytes) for the KV cache" in message
+    assert patches.worker_gate.cap_decision_of(worker.vllm_config.compilation_config).budget == budget
 
 
 @pytest.mark.parametrize(("data_parallel_size", "locked"), [(1, True), (2, False)])

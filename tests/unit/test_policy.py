@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 
 from vllm_kv_cache_limit.policy import (
+    CAP_TOLERANCE,
     ENV_VAR,
     CapDecision,
     KVCacheMaxMemoryError,
@@ -16,6 +19,7 @@ from vllm_kv_cache_limit.policy import (
     check_explicit_size_within_free,
     kv_bytes_before_load,
     resolve_cap,
+    tolerance_bytes,
     too_small_message,
     utilization_ceiling,
 )
@@ -104,6 +108,7 @@ def test_total_check() -> None:
     [
         (8 * GiB, 8 * GiB, 8 * GiB, False),
         (8 * GiB + 1, 16 * GiB, 8 * GiB, True),  # no tolerance: vLLM allocates all of it
+        (8 * GiB + 1, 8 * GiB + 1, 8 * GiB, True),  # none either when the cap sets the size
         (4 * GiB, 130 * GiB, 8 * GiB, False),  # min(explicit, cap) is what counts
         (9 * GiB, 9 * GiB, 8 * GiB, True),
     ],
@@ -164,6 +169,56 @@ def test_cap_within_instance() -> None:
     assert "--kv-cache-max-memory 6GiB" in message
     with pytest.raises(KVCacheMaxMemoryError, match="Nothing is left for the KV cache"):
         check_cap_within_instance(1 * GiB, -5, 2 * GiB, 2 * GiB, "cuda:0")
+
+
+def test_the_tolerance_is_one_percent_rounded_down() -> None:
+    assert Fraction(1, 100) == CAP_TOLERANCE
+    assert tolerance_bytes(6 * 10**9) == 6 * 10**7
+    assert tolerance_bytes(199) == 1  # 1.99 bytes: whole bytes only
+    assert tolerance_bytes(0) == tolerance_bytes(-5) == 0  # nothing to give, nothing to round
+
+
+def test_cap_within_instance_tolerates_one_percent_above_the_budget() -> None:
+    """Rounding and drift between readings: a cap up to 1% above the budget
+    is accepted (the KV cache gets the budget; the excess is returned for
+    the INFO line), a byte more is refused as any cap above it was."""
+    budget = 6 * 10**9
+    assert check_cap_within_instance(budget, budget, 20 * GiB, 14 * GiB, "cuda:0") == 0
+    assert check_cap_within_instance(budget - 1, budget, 20 * GiB, 14 * GiB, "cuda:0") == 0
+    assert check_cap_within_instance(budget + 1, budget, 20 * GiB, 14 * GiB, "cuda:0") == 1
+    assert check_cap_within_instance(budget + 6 * 10**7, budget, 20 * GiB, 14 * GiB, "cuda:0") == 6 * 10**7
+    with pytest.raises(KVCacheMaxMemoryError) as info:
+        check_cap_within_instance(budget + 6 * 10**7 + 1, budget, 20 * GiB, 14 * GiB, "cuda:0")
+    message = str(info.value)
+    assert message.startswith("--kv-cache-max-memory 5.65GiB (6060000001 bytes, 5.64 GiB) is larger than what")
+    assert "leaves 5.59 GiB (6000000000 bytes) for the KV cache" in message
+    with pytest.raises(KVCacheMaxMemoryError):  # 200.99 bytes at most
+        check_cap_within_instance(201, 199, 2 * GiB, 2 * GiB, "cuda:0")
+    assert check_cap_within_instance(200, 199, 2 * GiB, 2 * GiB, "cuda:0") == 1
+    with pytest.raises(KVCacheMaxMemoryError, match="Nothing is left for the KV cache"):
+        check_cap_within_instance(1, 0, 2 * GiB, 2 * GiB, "cuda:0")
+
+
+def test_cap_fits_before_load_tolerates_one_percent_above_the_room_for_kv() -> None:
+    """Before loading: 10 GB free and 2 GB of weights leave 8 GB for the KV
+    caches; 1% more (80 MB) is accepted, shared by the workers, a byte more
+    is refused. An explicit size gets none: vLLM allocates all of it."""
+    weights, free = 2 * 10**9, 10**10
+    check_cap_fits_before_load(8_080_000_000, weights, 1, free, "cuda:0")
+    with pytest.raises(KVCacheMaxMemoryError, match=r"^--kv-cache-max-memory .* \(8080000001 bytes"):
+        check_cap_fits_before_load(8_080_000_001, weights, 1, free, "cuda:0")
+    check_cap_fits_before_load(4_040_000_000, weights, 2, free, "cuda:0 + cuda:1")
+    with pytest.raises(KVCacheMaxMemoryError, match="2 x the cap plus the weights"):
+        check_cap_fits_before_load(4_040_000_001, weights, 2, free, "cuda:0 + cuda:1")
+    # --kv-cache-memory-bytes under the cap, or reduced to it: no tolerance.
+    check_cap_fits_before_load(16 * 10**9, weights, 1, free, "cuda:0", kv_bytes=8 * 10**9, explicit=True)
+    with pytest.raises(KVCacheMaxMemoryError, match="set by --kv-cache-memory-bytes"):
+        check_cap_fits_before_load(16 * 10**9, weights, 1, free, "cuda:0", kv_bytes=8 * 10**9 + 1, explicit=True)
+    with pytest.raises(KVCacheMaxMemoryError):
+        check_cap_fits_before_load(8 * 10**9 + 1, weights, 1, free, "cuda:0", kv_bytes=8 * 10**9 + 1, explicit=True)
+    # Weights alone above the free memory: nothing to give, no tolerance.
+    with pytest.raises(KVCacheMaxMemoryError, match="The weights alone do not fit"):
+        check_cap_fits_before_load(1, free + 1, 1, free, "cuda:0")
 
 
 def test_cap_fits_before_load() -> None:

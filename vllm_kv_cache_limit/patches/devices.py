@@ -167,8 +167,10 @@ def check_fits_before_load(config: Any, cap: int) -> None:
     """Fail fast, in the first process and before any weights load, when the
     local workers' KV caches (the cap, or the explicit size under it; see
     ``policy.kv_bytes_before_load``) plus their share of the weights (read from the
-    safetensors headers) exceed the free memory of their devices. Any reading
-    that fails skips the check: it only refuses what cannot possibly fit.
+    safetensors headers) exceed the free memory of their devices by more than
+    ``policy.CAP_TOLERANCE`` of what the weights leave (none for an explicit
+    size). Any reading that fails skips the check: it only refuses what
+    cannot possibly fit.
 
     With data parallelism, each local rank this launch starts is checked on
     its own GPUs (each rank loads the whole model over its own workers): a
@@ -200,11 +202,12 @@ def check_fits_before_load(config: Any, cap: int) -> None:
         return
     cache_config = config.cache_config
     kv_bytes = kv_bytes_before_load(cap, cache_config.kv_cache_memory_bytes, cache_config.num_gpu_blocks_override)
+    explicit = cache_config.kv_cache_memory_bytes is not None  # allocated whole: no tolerance
     for rank, devices, workers, free in ranks:
         label = " + ".join(d.label for d in devices)
         if len(ranks) > 1:
             label += f" of local data-parallel rank {rank}"
-        check_cap_fits_before_load(cap, weights * workers // world, workers, free, label, kv_bytes)
+        check_cap_fits_before_load(cap, weights * workers // world, workers, free, label, kv_bytes, explicit)
 
 
 def _local_model_folder(model_config: Any) -> str | None:

@@ -50,6 +50,8 @@ def patch(module: Any) -> None:
     wrap(planner_module, "_check_enough_kv_cache_memory", _name_cap_when_too_small)
     if hook_ok(AUTO_FIT_MAX_MODEL_LEN):
         wrap(planner_module, "_auto_fit_max_model_len", _name_cap_when_auto_fit_fails)
+    if FINALIZE_EXTENSIBLE_KV_CACHE.applies(compat.installed_vllm_version()) and hook_ok(FINALIZE_EXTENSIBLE_KV_CACHE):
+        wrap(module, "finalize_extensible_kv_cache", _report_final_size)
 
 
 def _hold_startup_lock(original: Callable) -> Callable:
@@ -151,9 +153,53 @@ def _cap_kv_cache_configs(original: Callable) -> Callable:
         finally:
             _active.decision = None
         _log_decision(vllm_config, decisions, configs)
+        _active.settled = decisions
         return configs
 
     return get_kv_cache_configs
+
+
+def _report_final_size(original: Callable) -> Callable:
+    """Why: under vLLM 0.34's extensible KV cache, the size decided in
+    ``get_kv_cache_configs`` is only the reservation (within the cap); vLLM
+    commits the smaller of it and what every rank measured after warmup.
+    How: wraps ``finalize_extensible_kv_cache``; with a cap, a refusal it
+    raises (``--max-model-len auto`` fitted again) names the cap when the cap
+    bound the reservation and warmup left more, and one INFO line gives the
+    final size."""
+
+    def finalize_extensible_kv_cache(
+        vllm_config: Any, kv_cache_configs: list[Any], scheduler_kv_cache_config: Any, compilation_times: Any
+    ) -> int:
+        settled = getattr(_active, "settled", None)
+        cap = cap_of(vllm_config.cache_config)
+        if cap is None or not settled:
+            return original(vllm_config, kv_cache_configs, scheduler_kv_cache_config, compilation_times)
+        reserved = scheduler_kv_cache_config.num_blocks
+        measured = [t.num_kv_blocks for t in compilation_times if getattr(t, "num_kv_blocks", None) is not None]
+        cap_binds = any(d.bound for d in settled) and (not measured or min(measured) >= reserved)
+        _active.decision = settled if cap_binds else None
+        try:
+            num_blocks = original(vllm_config, kv_cache_configs, scheduler_kv_cache_config, compilation_times)
+        finally:
+            _active.decision = None
+            _active.settled = None
+        committed = max(backing_bytes(c) for c in kv_cache_configs)
+        logger.info(
+            "KV cache max memory: the extensible KV cache settled after warmup at %d blocks, %d bytes "
+            "(%s GiB) per device, under the cap %s: %s of the %d blocks reserved.",
+            num_blocks,
+            committed,
+            format_gib(committed),
+            format_size(cap, "up"),
+            "all (the cap binds)"
+            if num_blocks >= reserved
+            else f"fewer than (vLLM measured {min(measured) if measured else num_blocks} blocks' memory free after warmup)",
+            reserved,
+        )
+        return num_blocks
+
+    return finalize_extensible_kv_cache
 
 
 def _log_decision(vllm_config: Any, decisions: list[CapDecision], configs: list[Any]) -> None:
@@ -266,7 +312,23 @@ ENGINE_CORE_INIT = Hook(
     remove_when="vLLM measures only its own process's memory",
 )
 
-HOOKS = (GET_KV_CACHE_CONFIGS, CHECK_ENOUGH_KV_CACHE_MEMORY, AUTO_FIT_MAX_MODEL_LEN, ENGINE_CORE_INIT)
+FINALIZE_EXTENSIBLE_KV_CACHE = Hook(
+    ("vllm.v1.engine.core",),
+    "finalize_extensible_kv_cache",
+    ("vllm_config", "kv_cache_configs", "scheduler_kv_cache_config", "compilation_times"),
+    versions=">=0.34",
+    wrapper=_report_final_size,
+    upstream="none yet: vLLM's log line and messages naming the cap",
+    remove_when="vLLM applies the cap (its lines follow)",
+)
+
+HOOKS = (
+    GET_KV_CACHE_CONFIGS,
+    CHECK_ENOUGH_KV_CACHE_MEMORY,
+    AUTO_FIT_MAX_MODEL_LEN,
+    ENGINE_CORE_INIT,
+    FINALIZE_EXTENSIBLE_KV_CACHE,
+)
 
 TARGETS = {"vllm.v1.engine.core": patch}
 """vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""

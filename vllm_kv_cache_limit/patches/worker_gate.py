@@ -14,12 +14,13 @@ from vllm.logger import init_logger
 from vllm_kv_cache_limit.config import cap_of
 from vllm_kv_cache_limit.patches.ranks import decide_together
 from vllm_kv_cache_limit.policy import (
+    CAP_TOLERANCE,
     FLAG,
     CapDecision,
     check_cap_within_instance,
     check_explicit_size_within_free,
 )
-from vllm_kv_cache_limit.sizes import format_gib
+from vllm_kv_cache_limit.sizes import format_gib, format_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -116,12 +117,36 @@ def check_cap_fits_instance(
             record_worker_cap(self, int(budget), cap)
             gate = gate_of(self.cache_config)
             if gate is not None and gate.limited_by_free:
-                check_cap_within_instance(cap, int(budget), gate.free, gate.requested - int(budget), gate.device)
+                non_kv = gate.requested - int(budget)
+                above = check_cap_within_instance(cap, int(budget), gate.free, non_kv, gate.device)
+                if above:
+                    log_cap_within_tolerance(cap, int(budget), above, gate.device)
             return budget
 
         return decide_together(profile_and_check)
 
     return determine_available_memory
+
+
+def log_cap_within_tolerance(cap: int, budget: int, above: int, device: str) -> None:
+    """One line per worker whose cap the tolerance accepted: the cap is
+    ``above`` bytes over the budget free memory left it, and the KV cache
+    gets the budget, not the cap."""
+    logger.info(
+        "%s %s (%d bytes) is %d bytes (%.2f%%) above the %d bytes (%s GiB) that the %s can still give "
+        "this instance's KV cache, within the %s%% tolerance for rounding and measurement drift: "
+        "the KV cache gets the budget, %d bytes.",
+        FLAG,
+        format_size(cap, "up"),
+        cap,
+        above,
+        100 * above / budget,
+        budget,
+        format_gib(budget),
+        device,
+        f"{float(CAP_TOLERANCE * 100):g}",
+        budget,
+    )
 
 
 def record_worker_cap(worker: Any, budget: int, cap: int) -> None:

@@ -116,7 +116,17 @@ BLOCK_POOL_MAYBE_EVICT_CACHED_BLOCK = Hook(
 
 FREE_BLOCK_QUEUE_REMOVE = Hook(("vllm.v1.core.kv_cache_utils",), "FreeKVCacheBlockQueue.remove", ("self", "block"))
 
-HOOKS = (BLOCK_POOL_FREE_BLOCKS, BLOCK_POOL_GET_USAGE, BLOCK_POOL_MAYBE_EVICT_CACHED_BLOCK, FREE_BLOCK_QUEUE_REMOVE)
+# Called, not wrapped: the free blocks, every step under a limit (``get_usage``)
+# and in the status (``resizing.engine_core._kv_cache_limit_status``).
+BLOCK_POOL_GET_NUM_FREE_BLOCKS = Hook(("vllm.v1.core.block_pool",), "BlockPool.get_num_free_blocks", ("self",))
+
+HOOKS = (
+    BLOCK_POOL_FREE_BLOCKS,
+    BLOCK_POOL_GET_USAGE,
+    BLOCK_POOL_MAYBE_EVICT_CACHED_BLOCK,
+    FREE_BLOCK_QUEUE_REMOVE,
+    BLOCK_POOL_GET_NUM_FREE_BLOCKS,
+)
 
 TARGETS = {"vllm.v1.core.block_pool": patch}
 """vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""

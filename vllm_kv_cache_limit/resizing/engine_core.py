@@ -351,7 +351,12 @@ def _preempt_above(scheduler: Any, limit: int) -> None:
     for request in reversed(victims):
         scheduler.running.remove(request)
         scheduler._preempt_request(request, timestamp, **extra)
-        scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
+        # vLLM 0.29-0.33 keep last step's ids apart and drop them when they
+        # preempt (0.32 reset_prefix_cache); 0.34's _preempt_request records
+        # the preemption itself (reset_preempted_req_ids).
+        previous = getattr(scheduler, "prev_step_scheduled_req_ids", None)
+        if previous is not None:
+            previous.discard(request.request_id)
     if victims:
         logger.info("Preempted %d running request(s) holding blocks above the new KV cache limit.", len(victims))
 
@@ -553,6 +558,18 @@ SCHEDULER_PREEMPT_REQUEST = Hook(
     ("vllm.v1.core.sched.scheduler",), "Scheduler._preempt_request", ("self", "request", "timestamp")
 )
 
+# Called, not wrapped: the blocks a request holds (``_preempt_above``), and
+# a KV cache group's blocks per request (``_read_allocation``, ``_autoscale_start``).
+KV_CACHE_MANAGER_GET_BLOCKS = Hook(
+    ("vllm.v1.core.kv_cache_manager",), "KVCacheManager.get_blocks", ("self", "request_id")
+)
+
+KV_CACHE_BLOCKS_GET_BLOCK_IDS = Hook(("vllm.v1.core.kv_cache_manager",), "KVCacheBlocks.get_block_ids", ("self",))
+
+KV_CACHE_SPEC_MAX_MEMORY_USAGE_BYTES = Hook(
+    ("vllm.v1.kv_cache_interface",), "KVCacheSpec.max_memory_usage_bytes", ("self", "vllm_config")
+)
+
 HOOKS = (
     ENGINE_CORE,
     ENGINE_CORE_STEP,
@@ -562,6 +579,9 @@ HOOKS = (
     ENGINE_CORE_SHUTDOWN,
     FREE_BLOCK_QUEUE_APPEND_N,
     SCHEDULER_PREEMPT_REQUEST,
+    KV_CACHE_MANAGER_GET_BLOCKS,
+    KV_CACHE_BLOCKS_GET_BLOCK_IDS,
+    KV_CACHE_SPEC_MAX_MEMORY_USAGE_BYTES,
 )
 
 TARGETS = {"vllm.v1.engine.core": patch}
