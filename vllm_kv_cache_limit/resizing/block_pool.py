@@ -64,6 +64,7 @@ def patch(module: Any) -> None:
         if hasattr(pool, name):
             optional(BLOCK_POOL_FREE_BLOCKS, functools.partial(wrap, pool, name, _withhold_after))
     optional(BLOCK_POOL_GET_USAGE, functools.partial(wrap, pool, "get_usage", _usage_under_limit))
+    optional(BLOCK_POOL_CACHE_FULL_BLOCKS, functools.partial(wrap, pool, "cache_full_blocks", _uncache_above_limit))
 
 
 def _withhold_after(original: Callable) -> Callable:
@@ -77,6 +78,26 @@ def _withhold_after(original: Callable) -> Callable:
         return result
 
     return method
+
+
+def _uncache_above_limit(original: Callable) -> Callable:
+    """Why: a block above the limit that a running request fills after the
+    limit was lowered would enter the prefix cache, and a new request with
+    the same prefix would be handed it (so a drain might never end). How:
+    wraps ``BlockPool.cache_full_blocks``; under a limit, the blocks at or
+    above it leave the prefix cache as soon as vLLM adds them. Without a
+    limit, vLLM's original alone."""
+
+    def cache_full_blocks(self: Any, request: Any, blocks: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, request, blocks, *args, **kwargs)
+        limit: Limit | None = getattr(self, "_kvcl_limit", None)
+        if limit is not None:
+            for block in blocks:
+                if block.block_id >= limit.limit and not block.is_null:
+                    self._maybe_evict_cached_block(block)
+        return result
+
+    return cache_full_blocks
 
 
 def _usage_under_limit(original: Callable) -> Callable:
@@ -110,6 +131,15 @@ BLOCK_POOL_GET_USAGE = Hook(
     remove_when=RESIZE_REMOVE,
 )
 
+BLOCK_POOL_CACHE_FULL_BLOCKS = Hook(
+    ("vllm.v1.core.block_pool",),
+    "BlockPool.cache_full_blocks",
+    ("self", "request", "blocks", "num_cached_blocks", "num_full_blocks"),
+    wrapper=_uncache_above_limit,
+    upstream=RESIZE_UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
 BLOCK_POOL_MAYBE_EVICT_CACHED_BLOCK = Hook(
     ("vllm.v1.core.block_pool",), "BlockPool._maybe_evict_cached_block", ("self", "block")
 )
@@ -126,6 +156,7 @@ HOOKS = (
     BLOCK_POOL_MAYBE_EVICT_CACHED_BLOCK,
     FREE_BLOCK_QUEUE_REMOVE,
     BLOCK_POOL_GET_NUM_FREE_BLOCKS,
+    BLOCK_POOL_CACHE_FULL_BLOCKS,
 )
 
 TARGETS = {"vllm.v1.core.block_pool": patch}
