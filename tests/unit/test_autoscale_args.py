@@ -280,3 +280,29 @@ def test_autoscale_with_ranks_that_each_schedule_is_refused(vllm_modules, tiny_m
     config = EngineArgs(**args, **ranks).create_engine_config()
     assert config.parallel_config.distributed_executor_backend == "external_launcher"
     assert config.parallel_config.world_size == 2
+
+
+
+def test_registration_leaves_a_vllm_without_its_environment_table_untouched(
+    vllm_modules, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``vllm.envs.environment_variables`` renamed in vLLM: registering the
+    plugin's variables (first in every ``create_engine_config``, cap or not)
+    must not crash; with a cap, the start-up check names the attribute
+    (``compat.ATTRIBUTES``)."""
+    import sys
+    import types
+
+    import vllm
+
+    from vllm_kv_cache_limit import compat
+    from vllm_kv_cache_limit.patches.arg_utils import register_environment_variables
+
+    renamed = types.ModuleType("vllm.envs")
+    renamed.environment_variables_v2 = {}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.envs", renamed)
+    monkeypatch.setattr(vllm, "envs", renamed)
+    monkeypatch.setenv(envs.LOCK_DIR, "/tmp")  # a plugin variable that would be registered
+    register_environment_variables()
+    assert renamed.environment_variables_v2 == {}
+    assert "vllm.envs.environment_variables" in {a.name for a in compat.ATTRIBUTES}

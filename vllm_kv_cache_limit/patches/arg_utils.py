@@ -51,7 +51,7 @@ def patch(module: Any) -> None:
         # Dataclass subclasses have their own generated __init__ and fields.
         if "__init__" in cls.__dict__ and "__dataclass_fields__" in cls.__dict__:
             add_engine_args_field(cls)
-    if hook_ok(ENGINE_ARGS_ADD_CLI_ARGS):
+    if hook_ok(ENGINE_ARGS_ADD_CLI_ARGS) and hook_ok(GET_ATTR_DOCS):  # the flags' help comes from get_attr_docs
         wrap(engine_args, "add_cli_args", _add_cli_flag, static=True)
     if hook_ok(ENGINE_ARGS_CREATE_ENGINE_CONFIG):
         wrap(engine_args, "create_engine_config", _carry_cap_into_config)
@@ -219,7 +219,12 @@ def register_environment_variables() -> None:
     before the original runs. Upstream: the variables in ``vllm.envs``."""
     import vllm.envs
 
-    envs.register_with_vllm(vllm.envs.environment_variables)
+    table = getattr(vllm.envs, "environment_variables", None)
+    if table is None:
+        # Renamed in vLLM: without a cap vLLM runs untouched; with one, the
+        # start-up check names the missing attribute (compat.ATTRIBUTES).
+        return
+    envs.register_with_vllm(table)
 
 
 ENGINE_ARGS_INIT = Hook(

@@ -5,17 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm.logger import init_logger
-
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.kv_cache import bytes_per_block
 from vllm_kv_cache_limit.patches.apply import hook_ok, name_cap_when_refused
 from vllm_kv_cache_limit.patches.worker_gate import cap_decision_of
 from vllm_kv_cache_limit.patches.wrap import wrap
 from vllm_kv_cache_limit.policy import mamba_blocks_message
-
-# Under the "vllm" logger so that vLLM's logging configuration applies.
-logger = init_logger("vllm.plugins.kv_cache_limit")
 
 
 def patch(module: Any) -> None:

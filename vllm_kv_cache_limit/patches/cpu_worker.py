@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm.logger import init_logger
-
 from vllm_kv_cache_limit import compat
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
@@ -21,9 +19,6 @@ from vllm_kv_cache_limit.patches.wrap import wrap
 from vllm_kv_cache_limit.policy import (
     utilization_ceiling,
 )
-
-# Under the "vllm" logger so that vLLM's logging configuration applies.
-logger = init_logger("vllm.plugins.kv_cache_limit")
 
 
 def patch(module: Any) -> None:

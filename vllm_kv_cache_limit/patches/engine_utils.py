@@ -5,16 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm.logger import init_logger
-
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
 from vllm_kv_cache_limit.patches.apply import hook_ok
 from vllm_kv_cache_limit.patches.wrap import wrap
 from vllm_kv_cache_limit.relay import take_relayed_error
-
-# Under the "vllm" logger so that vLLM's logging configuration applies.
-logger = init_logger("vllm.plugins.kv_cache_limit")
 
 
 def patch(module: Any) -> None:

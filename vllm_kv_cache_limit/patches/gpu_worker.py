@@ -9,8 +9,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from vllm.logger import init_logger
-
 from vllm_kv_cache_limit import compat, envs
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
@@ -23,9 +21,6 @@ from vllm_kv_cache_limit.policy import (
     utilization_ceiling,
 )
 from vllm_kv_cache_limit.relay import raise_cap_error
-
-# Under the "vllm" logger so that vLLM's logging configuration applies.
-logger = init_logger("vllm.plugins.kv_cache_limit")
 
 
 def patch(module: Any) -> None:

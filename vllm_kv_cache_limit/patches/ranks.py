@@ -7,14 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm.logger import init_logger
-
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
 from vllm_kv_cache_limit.relay import raise_cap_error
-
-# Under the "vllm" logger so that vLLM's logging configuration applies.
-logger = init_logger("vllm.plugins.kv_cache_limit")
 
 
 def decide_together(step: Callable[[], Any]) -> Any:

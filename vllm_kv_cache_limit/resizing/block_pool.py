@@ -7,16 +7,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vllm.logger import init_logger
-
 from vllm_kv_cache_limit import resize
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.patches.wrap import wrap
 from vllm_kv_cache_limit.resize import Allocation
 from vllm_kv_cache_limit.resizing.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional
-
-# Under the "vllm" logger so that vLLM's logging configuration applies.
-logger = init_logger("vllm.plugins.kv_cache_limit")
 
 
 @dataclasses.dataclass
