@@ -86,6 +86,14 @@ ATTRIBUTES: tuple[Attribute, ...] = (
         "the worker's own for the CPU gate's call); read by `compat.gpu_memory_utilization` before vLLM 0.34",
     ),
     Attribute(
+        ("vllm.config.cache",),
+        "CacheConfig",
+        "resolved_gpu_memory_utilization",
+        "`compat.gpu_memory_utilization`: the utilization vLLM sizes with, its field being None by default "
+        "(1.0 with the extensible KV cache); the gates and the start-up line read it",
+        versions=">=0.34",
+    ),
+    Attribute(
         _CPU_RESOURCES,
         "MemoryNodeInfo",
         "total_memory",
