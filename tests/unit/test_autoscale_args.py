@@ -282,7 +282,6 @@ def test_autoscale_with_ranks_that_each_schedule_is_refused(vllm_modules, tiny_m
     assert config.parallel_config.world_size == 2
 
 
-
 def test_registration_leaves_a_vllm_without_its_environment_table_untouched(
     vllm_modules, monkeypatch: pytest.MonkeyPatch
 ) -> None:
