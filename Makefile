@@ -156,3 +156,13 @@ test-cuda-wheel: $(CUDA_VENV)/.deps
 	$(CUDA_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation --force-reinstall .
 	$(CUDA_VENV)/bin/python -c "from importlib.metadata import version; v = version('vllm'); assert v == '$(VLLM_VERSION)', v; print('vLLM', v, '(CUDA wheel)')"
 	$(CUDA_VENV)/bin/python -m pytest -m cuda_wheel -p no:cacheprovider tests/cuda_wheel $(PYTEST_ARGS)
+
+# The day vLLM ships a release (VLLM_VERSION): hooks and attributes against
+# its source, the CUDA-wheel tier, vLLM's own unit tests of the hooked code
+# with the plugin installed and unused (scripts/vllm_own_tests.py), whether
+# the upstream patch (the release's own, else the newest earlier one)
+# applies; every step runs, a table at the end (docs/compatibility.md).
+.PHONY: check-release
+
+check-release: install
+	$(VPY) scripts/check_release.py $(VLLM_VERSION)
