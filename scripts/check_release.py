@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import py_compile
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from check_hooks import CACHE, FetchError, download_wheel, extract_sources  # noqa: E402
-from check_upstream_patch import UPSTREAM, patched_files  # noqa: E402
+from check_upstream_patch import UPSTREAM, apply_patch, patched_files  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
@@ -159,13 +158,7 @@ def patch_result(version: str, patch_file: Path, source: Path) -> tuple[bool, st
     without fuzz and every file it writes compiles."""
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp)
-        shutil.copytree(source / "vllm", tree / "vllm")
-        proc = subprocess.run(
-            ["patch", "-p1", "-F0", "--no-backup-if-mismatch", "-i", str(patch_file)],
-            cwd=tree,
-            capture_output=True,
-            text=True,
-        )
+        proc = apply_patch(patch_file, source, tree)
         output = proc.stdout + proc.stderr
         print(output, end="")
         if proc.returncode != 0:

@@ -36,19 +36,25 @@ def patched_files(patch_text: str) -> list[str]:
     return re.findall(r"^\+\+\+ b/(\S+)", patch_text, flags=re.M)
 
 
+def apply_patch(patch_file: Path, source: Path, tree: Path) -> subprocess.CompletedProcess[str]:
+    """Copy the ``vllm/`` tree of ``source`` into ``tree`` and apply
+    ``patch_file`` there with ``patch -p1``, no fuzz, no backups."""
+    shutil.copytree(source / "vllm", tree / "vllm")
+    return subprocess.run(
+        ["patch", "-p1", "-F0", "--no-backup-if-mismatch", "-i", str(patch_file)],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+    )
+
+
 def check(version: str) -> bool:
     patch_file = UPSTREAM / f"vllm-{version}.patch"
     text = patch_file.read_text()
     source = extract_sources(download_wheel(version, CACHE / "wheels"), CACHE / "vllm-src")
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp)
-        shutil.copytree(source / "vllm", tree / "vllm")
-        proc = subprocess.run(
-            ["patch", "-p1", "-F0", "--no-backup-if-mismatch", "-i", str(patch_file)],
-            cwd=tree,
-            capture_output=True,
-            text=True,
-        )
+        proc = apply_patch(patch_file, source, tree)
         if proc.returncode != 0:
             print(f"vllm {version}: {patch_file.name} does not apply without fuzz:\n{proc.stdout}{proc.stderr}")
             return False

@@ -56,21 +56,7 @@ def _load_fakes() -> types.ModuleType:
 def fake_cuda_platform(monkeypatch: pytest.MonkeyPatch) -> Any:
     """vLLM's ``NvmlCudaPlatform`` as the current platform, on one faked GPU
     (80 GiB, all free): the ``fake_gpu`` fixture of the CUDA-wheel tier."""
-    import vllm.platforms
-    from vllm.platforms import cuda as cuda_platform
-
-    fakes = _load_fakes()
-    gpu = fakes.FakeGPU()
-    fakes._install_torch_cuda(monkeypatch, gpu)
-    fakes._install_nvml(monkeypatch, gpu)
-    detected = vllm.platforms.current_platform  # "unspecified": no GPU here
-    platform = cuda_platform.NvmlCudaPlatform()
-    monkeypatch.setattr(vllm.platforms, "_current_platform", platform)
-    # Modules that bound ``current_platform`` at import see it too.
-    for name, module in list(sys.modules.items()):
-        if name.startswith("vllm.") and getattr(module, "current_platform", None) is detected:
-            monkeypatch.setattr(module, "current_platform", platform)
-    return gpu
+    return _load_fakes().install_fake_cuda(monkeypatch)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

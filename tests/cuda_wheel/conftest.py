@@ -204,6 +204,12 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGPU]:
     """vLLM's CUDA platform on one faked GPU (80 GiB, all free unless the
     test says otherwise): torch's CUDA readings and NVML answer from it, and
     ``vllm.platforms.current_platform`` is vLLM's own ``NvmlCudaPlatform``."""
+    yield install_fake_cuda(monkeypatch)
+
+
+def install_fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeGPU:
+    """vLLM's ``NvmlCudaPlatform`` as the current platform on a new
+    :class:`FakeGPU` (also used for vLLM's own tests, ``scripts/vllm_own_platform.py``)."""
     import vllm.platforms
     from vllm.platforms import cuda as cuda_platform
 
@@ -218,4 +224,4 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGPU]:
     for name, module in list(sys.modules.items()):
         if name.startswith("vllm.") and getattr(module, "current_platform", None) is detected:
             monkeypatch.setattr(module, "current_platform", platform)
-    yield gpu
+    return gpu
