@@ -79,15 +79,18 @@ def _uncache_above_limit(original: Callable) -> Callable:
     """Why: a block above the limit that a running request fills after the
     limit was lowered would enter the prefix cache, and a new request with
     the same prefix would be handed it (so a drain might never end). How:
-    wraps ``BlockPool.cache_full_blocks``; under a limit, the blocks at or
-    above it leave the prefix cache as soon as vLLM adds them. Without a
-    limit, vLLM's original alone."""
+    wraps ``BlockPool.cache_full_blocks``; under a limit, the blocks this
+    call adds (``blocks[num_cached_blocks:num_full_blocks]``; ``blocks`` is
+    all of the request's) at or above it leave the prefix cache at once.
+    Without a limit, vLLM's original alone."""
 
-    def cache_full_blocks(self: Any, request: Any, blocks: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, request, blocks, *args, **kwargs)
+    def cache_full_blocks(
+        self: Any, request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int, *args: Any, **kwargs: Any
+    ) -> Any:
+        result = original(self, request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
         limit: Limit | None = getattr(self, "_kvcl_limit", None)
         if limit is not None:
-            for block in blocks:
+            for block in blocks[num_cached_blocks:num_full_blocks]:
                 if block.block_id >= limit.limit and not block.is_null:
                     self._maybe_evict_cached_block(block)
         return result
