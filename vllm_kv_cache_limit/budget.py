@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_kv_cache_limit.shared_folder import LockSetupError, open_folder
-from vllm_kv_cache_limit.startup_lock import LOCK_DIR_ENV, holder_label, lock_name
+from vllm_kv_cache_limit.startup_lock import LOCK_DIR_ADVICE, holder_label, lock_name, open_lock_folder
 
 LEDGER_LOCK = "ledger.lock"
 ENTRY_SUFFIX = ".entry"
@@ -103,10 +103,9 @@ class Ledger:
         self.key = key
         self.label = label or holder_label()
         self.path = os.path.join(folder, folder_name(key))
-        advice = f"remove it or set {LOCK_DIR_ENV} to another folder."
-        top = open_folder(folder, folder, "lock folder", advice)
+        top = open_lock_folder(folder)
         try:
-            self.dir_fd = open_folder(folder_name(key), self.path, "budget folder", advice, dir_fd=top)
+            self.dir_fd = open_folder(folder_name(key), self.path, "budget folder", LOCK_DIR_ADVICE, dir_fd=top)
         finally:
             os.close(top)
         try:

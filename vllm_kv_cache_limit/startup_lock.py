@@ -73,16 +73,20 @@ def lock_name(key: str) -> str:
     return f"{safe}.lock"
 
 
-def _open_dir(path: str) -> int:
+LOCK_DIR_ADVICE = f"remove it or set {LOCK_DIR_ENV} to another folder."
+"""What the errors about the lock folder and the folders in it advise."""
+
+
+def open_lock_folder(path: str) -> int:
     """Open (creating if needed) the lock folder under the shared folders'
-    rule (``shared_folder``)."""
-    return open_folder(path, path, "lock folder", f"remove it or set {LOCK_DIR_ENV} to another folder.")
+    rule (``shared_folder``); the budget's folders live in it too."""
+    return open_folder(path, path, "lock folder", LOCK_DIR_ADVICE)
 
 
 def open_lock_file(folder: str, key: str) -> int:
     """Open the lock file of ``key`` in ``folder``: created if missing, never
     through a symbolic link, and only if it is a regular file."""
-    dir_fd = _open_dir(folder)
+    dir_fd = open_lock_folder(folder)
     try:
         name = lock_name(key)
         try:
