@@ -105,7 +105,7 @@ def block_bytes_estimate(args: argparse.Namespace, model: str) -> int:
 def parse_cap(text: str, block_bytes: int) -> int:
     """A cap in bytes: any size ``parse_size`` accepts, or ``<N>blk``,
     ``<N>blk-<B>`` / ``<N>blk+<B>`` (N blocks plus or minus B bytes)."""
-    from vllm_kv_cache_limit.sizes import parse_size
+    from vllm_kv_cache_limit.logic.sizes import parse_size
 
     if "blk" in text:
         blocks, _, rest = text.partition("blk")

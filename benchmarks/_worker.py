@@ -33,7 +33,7 @@ from tests.helpers import (
     kv_cache_resident_bytes,
     print_result,
 )
-from vllm_kv_cache_limit.kv_cache import kv_cache_storages
+from vllm_kv_cache_limit.logic.kv_cache import kv_cache_storages
 
 
 def _since_launch() -> float | None:

@@ -962,9 +962,9 @@ def parse_args() -> argparse.Namespace:
 def check_plugin() -> None:
     """The servers run the installed package (its start-up hook imports it
     before the repository's copy could be found): it must autoscale."""
-    if importlib.util.find_spec("vllm_kv_cache_limit.autoscale") is None:
+    if importlib.util.find_spec("vllm_kv_cache_limit.logic.autoscale_policy") is None:
         raise SystemExit(
-            "the installed vllm_kv_cache_limit has no autoscaling (no vllm_kv_cache_limit.autoscale); "
+            "the installed vllm_kv_cache_limit has no autoscaling (no vllm_kv_cache_limit.logic.autoscale_policy); "
             "reinstall it from this tree: .venv/bin/pip install .  (make test does)"
         )
 
@@ -1204,7 +1204,7 @@ def plot_spans(runs: list[dict], phases: list[dict]) -> dict[str, list[tuple[flo
 def main() -> None:
     args = parse_args()
     check_plugin()
-    from vllm_kv_cache_limit.sizes import parse_size
+    from vllm_kv_cache_limit.logic.sizes import parse_size
 
     model = c.model_path(args)
     cap, budget = parse_size(args.burst_cap), parse_size(args.budget)

@@ -24,9 +24,9 @@ import _common as c
 
 
 def autoscaler(groups: int):  # -> Autoscaler
-    from vllm_kv_cache_limit.autoscale import Policy, Scaler
-    from vllm_kv_cache_limit.resize import Allocation
-    from vllm_kv_cache_limit.resizing.autoscaling import Autoscaler
+    from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
+    from vllm_kv_cache_limit.logic.autoscale_policy import Policy, Scaler
+    from vllm_kv_cache_limit.logic.limit_math import Allocation
 
     allocation = Allocation(num_blocks=100_000, bytes_per_block=2**16, blocks_per_request=256, max_model_len=4096)
     return Autoscaler(

@@ -48,7 +48,7 @@ ATTRIBUTION = r"""
 import json, sys, time
 from vllm import LLM
 from vllm_kv_cache_limit import compat
-from vllm_kv_cache_limit.patches import devices
+from vllm_kv_cache_limit.hooks import devices
 before = set(sys.modules)
 t0 = time.perf_counter(); devices.device_total_memory(); total = time.perf_counter() - t0
 t0 = time.perf_counter(); problems = compat.check_hooks_at_startup()

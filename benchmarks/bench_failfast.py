@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2)
     args = parser.parse_args()
 
-    from vllm_kv_cache_limit.sizes import parse_size
+    from vllm_kv_cache_limit.logic.sizes import parse_size
 
     size = parse_size(args.size)
     variants = {

@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=1, help="repeat no-cap + caps this many times (default 1)")
     args = parser.parse_args()
 
-    from vllm_kv_cache_limit.sizes import parse_size
+    from vllm_kv_cache_limit.logic.sizes import parse_size
 
     variants = [("none", None)] + [(text, parse_size(text)) for text in args.caps]
     raw = []

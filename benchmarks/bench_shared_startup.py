@@ -22,7 +22,7 @@ import _common as c
 import requests
 
 from tests.helpers import api_servers
-from vllm_kv_cache_limit.sizes import parse_size
+from vllm_kv_cache_limit.logic.sizes import parse_size
 
 
 def launch(model: str, caps: list[int], lock: bool, folder: Path) -> dict:

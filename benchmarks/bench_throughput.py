@@ -42,7 +42,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from vllm_kv_cache_limit.sizes import parse_size
+    from vllm_kv_cache_limit.logic.sizes import parse_size
 
     max_model_len = args.prompt_len + args.output_len
     workload = {

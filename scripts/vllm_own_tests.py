@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from check_hooks import CACHE, EXIT_FETCH_FAILED, FetchError  # noqa: E402
 
-from vllm_kv_cache_limit import envs  # noqa: E402
+from vllm_kv_cache_limit.logic import envs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"

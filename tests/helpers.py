@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from vllm_kv_cache_limit.kv_cache import kv_cache_storages, rss_bytes, worker_kv_cache_bytes
+from vllm_kv_cache_limit.logic.kv_cache import kv_cache_storages, rss_bytes, worker_kv_cache_bytes
 
 RESULT_PREFIX = "PROBE_RESULT "
 
@@ -62,8 +62,8 @@ def engine_env(**extra: str) -> dict[str, str]:
     with ``ENGINE_ENV``, without a cap from the environment (the caller
     sets the cap it means) or the plugin's internal variables, plus
     ``extra``."""
-    from vllm_kv_cache_limit import envs
-    from vllm_kv_cache_limit.policy import ENV_VAR
+    from vllm_kv_cache_limit.logic import envs
+    from vllm_kv_cache_limit.logic.cap_decision import ENV_VAR
 
     env = {**os.environ, **ENGINE_ENV}
     env.pop(ENV_VAR, None)
@@ -248,8 +248,8 @@ def run(spec: dict[str, Any], shut_down: bool = False) -> dict[str, Any]:
             outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
             result["texts"] = [o.outputs[0].text for o in outputs]
         if resize_to is not None or spec.get("kv_cache_autoscale"):
-            from vllm_kv_cache_limit.errors import KVCacheResizeError
-            from vllm_kv_cache_limit.resizing.client import kv_cache_limit_status, set_kv_cache_max_memory
+            from vllm_kv_cache_limit.hooks.runtime.client import kv_cache_limit_status, set_kv_cache_max_memory
+            from vllm_kv_cache_limit.logic.errors import KVCacheResizeError
 
             if resize_to is not None:
                 try:

@@ -26,15 +26,15 @@ __all__ = [
 # The start-up hook imports this package in every interpreter of the
 # environment, so the public names load on first use only.
 _LAZY = {
-    "KVCacheMaxMemoryError": "vllm_kv_cache_limit.errors",
-    "format_size": "vllm_kv_cache_limit.sizes",
-    "parse_size": "vllm_kv_cache_limit.sizes",
-    "KVCacheResizeError": "vllm_kv_cache_limit.errors",
-    "KVCacheResizeFailed": "vllm_kv_cache_limit.errors",
-    "set_kv_cache_max_memory": "vllm_kv_cache_limit.resizing.client",
-    "kv_cache_limit_status": "vllm_kv_cache_limit.resizing.client",
-    "async_set_kv_cache_max_memory": "vllm_kv_cache_limit.resizing.client",
-    "async_kv_cache_limit_status": "vllm_kv_cache_limit.resizing.client",
+    "KVCacheMaxMemoryError": "vllm_kv_cache_limit.logic.errors",
+    "format_size": "vllm_kv_cache_limit.logic.sizes",
+    "parse_size": "vllm_kv_cache_limit.logic.sizes",
+    "KVCacheResizeError": "vllm_kv_cache_limit.logic.errors",
+    "KVCacheResizeFailed": "vllm_kv_cache_limit.logic.errors",
+    "set_kv_cache_max_memory": "vllm_kv_cache_limit.hooks.runtime.client",
+    "kv_cache_limit_status": "vllm_kv_cache_limit.hooks.runtime.client",
+    "async_set_kv_cache_max_memory": "vllm_kv_cache_limit.hooks.runtime.client",
+    "async_kv_cache_limit_status": "vllm_kv_cache_limit.hooks.runtime.client",
 }
 
 

@@ -28,18 +28,18 @@ PLUGIN_NAME = "vllm_kv_cache_limit"
 """The entry point name, as listed in ``VLLM_PLUGINS``."""
 
 HOOKED_MODULES: dict[str, tuple[str, ...]] = {
-    "vllm.engine.arg_utils": ("patches.arg_utils:patch",),
-    "vllm.config.compilation": ("patches.compilation:patch",),
-    "vllm.v1.engine.core": ("patches.engine_core:patch", "resizing.engine_core:patch"),
-    "vllm.v1.engine.utils": ("patches.engine_utils:patch",),
-    "vllm.v1.worker.gpu_worker": ("patches.gpu_worker:patch",),
-    "vllm.v1.worker.cpu_worker": ("patches.cpu_worker:patch",),
-    "vllm.v1.core.block_pool": ("resizing.block_pool:patch",),
-    "vllm.v1.worker.worker_base": ("resizing.worker:patch",),
-    "vllm.v1.engine.core_client": ("resizing.client:patch",),
-    "vllm.entrypoints.common.cli_args": ("resizing.server:patch_arg_parser",),  # vLLM 0.33
-    "vllm.entrypoints.launchers.cli_args": ("resizing.server:patch_arg_parser",),  # vLLM 0.29-0.32
-    "vllm.entrypoints.launchers.app": ("resizing.server:patch_app",),
+    "vllm.engine.arg_utils": ("hooks.cap.arg_utils:patch",),
+    "vllm.config.compilation": ("hooks.cap.compilation:patch",),
+    "vllm.v1.engine.core": ("hooks.cap.engine_core:patch", "hooks.runtime.engine_core:patch"),
+    "vllm.v1.engine.utils": ("hooks.cap.engine_utils:patch",),
+    "vllm.v1.worker.gpu_worker": ("hooks.cap.gpu_worker:patch",),
+    "vllm.v1.worker.cpu_worker": ("hooks.cap.cpu_worker:patch",),
+    "vllm.v1.core.block_pool": ("hooks.runtime.block_pool:patch",),
+    "vllm.v1.worker.worker_base": ("hooks.runtime.worker:patch",),
+    "vllm.v1.engine.core_client": ("hooks.runtime.client:patch",),
+    "vllm.entrypoints.common.cli_args": ("hooks.runtime.server:patch_arg_parser",),  # vLLM 0.33
+    "vllm.entrypoints.launchers.cli_args": ("hooks.runtime.server:patch_arg_parser",),  # vLLM 0.29-0.32
+    "vllm.entrypoints.launchers.app": ("hooks.runtime.server:patch_app",),
 }
 """vLLM module -> the patch functions (``module:function`` under this
 package) its import runs: ``compat.registry.targets()`` written out, so that
@@ -75,7 +75,7 @@ def _run_patch(module: types.ModuleType, target: str) -> None:
     try:
         getattr(importlib.import_module(f"{PLUGIN_NAME}.{where}"), function)(module)
     except Exception as exc:
-        from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
+        from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 
         if isinstance(exc, KVCacheMaxMemoryError):
             raise  # a cap is in force and cannot be enforced: stop
@@ -83,7 +83,7 @@ def _run_patch(module: types.ModuleType, target: str) -> None:
         if cap_in_force():
             # Fail closed: never run with the cap silently unenforced; the
             # engine-core or worker process hands the error to the first one.
-            from vllm_kv_cache_limit.relay import raise_cap_error
+            from vllm_kv_cache_limit.logic.relay import raise_cap_error
 
             raise_cap_error(hook_failure_message([failed[module.__name__]]))
         # Without a cap, never break the import of a vLLM module.
@@ -101,7 +101,7 @@ def cap_in_force(environ: dict[str, str] | os._Environ = os.environ) -> bool:
     """Whether this process belongs to an engine started with a cap: an
     engine-core or worker process of one (the error relay is armed), or any
     process with ``VLLM_KV_CACHE_MAX_MEMORY`` set."""
-    from vllm_kv_cache_limit import envs
+    from vllm_kv_cache_limit.logic import envs
 
     return bool(environ.get(envs.ERROR_FILE) or environ.get(envs.MAX_MEMORY, "").strip())
 

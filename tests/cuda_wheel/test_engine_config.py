@@ -11,7 +11,7 @@ from vllm.engine.arg_utils import EngineArgs
 
 from tests.conftest import TEST_MAX_MODEL_LEN
 from tests.cuda_wheel.conftest import FakeGPU, GiB
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 
 
 def _engine_config(model: str, **kwargs):

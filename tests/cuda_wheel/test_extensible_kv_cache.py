@@ -19,7 +19,7 @@ from vllm.v1.worker.worker_base import CompilationTimes
 
 from tests.conftest import TEST_MAX_MODEL_LEN
 from tests.cuda_wheel.conftest import FakeGPU, GiB
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 
 MiB = 1 << 20
 

@@ -16,8 +16,8 @@ from vllm.v1.worker.utils import request_memory
 
 from tests.cuda_wheel.conftest import FakeGPU, GiB
 from vllm_kv_cache_limit import compat
-from vllm_kv_cache_limit.patches import gpu_worker, worker_gate
-from vllm_kv_cache_limit.patches.wrap import WRAPPED
+from vllm_kv_cache_limit.hooks.cap import gpu_worker, worker_gate
+from vllm_kv_cache_limit.hooks.wrap import WRAPPED
 
 CAP = 8 * GiB
 RESOLVED = "resolved_gpu_memory_utilization"

@@ -20,9 +20,9 @@ from vllm.v1.worker import gpu_worker as vllm_gpu_worker
 
 from tests.conftest import TEST_MAX_MODEL_LEN
 from tests.cuda_wheel.conftest import FakeGPU, GiB
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
-from vllm_kv_cache_limit.patches import worker_gate
-from vllm_kv_cache_limit.patches.wrap import WRAPPED
+from vllm_kv_cache_limit.hooks.cap import worker_gate
+from vllm_kv_cache_limit.hooks.wrap import WRAPPED
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 
 WEIGHTS = 2 * GiB
 ACTIVATION_PEAK = 1 * GiB

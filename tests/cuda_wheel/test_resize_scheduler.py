@@ -44,10 +44,10 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.cuda_wheel.conftest import FakeGPU
-from vllm_kv_cache_limit import resize
-from vllm_kv_cache_limit.resizing import autoscaling
-from vllm_kv_cache_limit.resizing.autoscaling import Autoscaler
-from vllm_kv_cache_limit.resizing.block_pool import Limit
+from vllm_kv_cache_limit.hooks.runtime import autoscaler
+from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
+from vllm_kv_cache_limit.hooks.runtime.block_pool import Limit
+from vllm_kv_cache_limit.logic import limit_math
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 41
@@ -233,7 +233,7 @@ def _started(core: EngineCore, count: int = 6, longer: int | None = None) -> lis
 
 def _set(core: EngineCore, blocks: int, mode: str) -> dict[str, Any]:
     status = core.kv_cache_limit_set(blocks * BYTES_PER_BLOCK, mode)
-    assert not resize.is_error(status), status
+    assert not limit_math.is_error(status), status
     assert status["num_blocks_limit"] == blocks and status["mode"] == mode
     return status
 
@@ -427,9 +427,9 @@ def autoscaled(fake_gpu: FakeGPU, tiny_model: str) -> Iterator[EngineCore]:
     in-process timer stopped, so that only the test's steps decide."""
     core = _engine_core(_scheduler(tiny_model))
     cache_config = core.vllm_config.cache_config
-    setattr(cache_config, autoscaling.AUTOSCALE, True)
-    setattr(cache_config, autoscaling.MIN_MEMORY, None)
-    setattr(cache_config, autoscaling.SHARED_BUDGET, None)
+    setattr(cache_config, autoscaler.AUTOSCALE, True)
+    setattr(cache_config, autoscaler.MIN_MEMORY, None)
+    setattr(cache_config, autoscaler.SHARED_BUDGET, None)
     core.kv_cache_limit_autoscale_start()
     scaler: Autoscaler = core._kvcl_autoscaler
     scaler.stop.set()

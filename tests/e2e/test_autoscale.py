@@ -30,7 +30,7 @@ import requests
 
 from tests.e2e.conftest import api_servers, budget_server_args, engine_env
 from tests.helpers import CompletionLoad, Periodic, ledger_holds, live_ledger_entries, metric
-from vllm_kv_cache_limit.sizes import format_size
+from vllm_kv_cache_limit.logic.sizes import format_size
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.smoke]  # autoscaling is the plugin's; every CPU build
 

@@ -31,9 +31,9 @@ from tests.e2e.conftest import (
     with_plugins,
 )
 from tests.helpers import CompletionLoad, Periodic, live_ledger_entries
-from vllm_kv_cache_limit.budget import folder_name
-from vllm_kv_cache_limit.sizes import format_size
-from vllm_kv_cache_limit.startup_lock import lock_name
+from vllm_kv_cache_limit.logic.budget_ledger import folder_name
+from vllm_kv_cache_limit.logic.sizes import format_size
+from vllm_kv_cache_limit.logic.startup_lock import lock_name
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.smoke]  # autoscaling is the plugin's; every CPU build
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.tiny_model import ARCHITECTURES, build_tiny_model
 from vllm_kv_cache_limit import plan as kv_plan
-from vllm_kv_cache_limit.sizes import parse_size
+from vllm_kv_cache_limit.logic.sizes import parse_size
 
 pytestmark = pytest.mark.plugin_only  # the planner
 

@@ -83,7 +83,7 @@ def test_excluded_plugin_leaves_vllm_as_without_it(tiny_model: str) -> None:
 TWO_ENGINES = """
 import gc, sys
 
-from vllm_kv_cache_limit.kv_cache import worker_kv_cache_bytes
+from vllm_kv_cache_limit.logic.kv_cache import worker_kv_cache_bytes
 
 if __name__ == "__main__":
     from vllm import LLM

@@ -264,7 +264,7 @@ def test_cap_above_what_the_instance_can_get_fails_after_profiling(tiny_model: s
     assert "was free at start-up" in message and "besides its KV cache" in message
     fit = re.search(r"for example --kv-cache-max-memory (\S+?),", message)
     assert fit, message
-    from vllm_kv_cache_limit.sizes import parse_size
+    from vllm_kv_cache_limit.logic.sizes import parse_size
 
     assert parse_size(fit[1]) < result["cap"]
     assert "Loading weights" in log or "Starting to load model" in log  # it did get that far

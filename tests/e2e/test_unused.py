@@ -16,9 +16,9 @@ import pytest
 from tests.conftest import REFERENCE_PYTHON, UPSTREAM
 from tests.e2e.conftest import REPO, engine_env
 from tests.e2e.test_version_drift import KV_SIZE, expected_blocks
-from vllm_kv_cache_limit.autoscale import AUTOSCALE_FLAG, MIN_MEMORY_FLAG, SHARED_BUDGET_FLAG
-from vllm_kv_cache_limit.policy import FLAG
-from vllm_kv_cache_limit.resizing.server import ENABLE_FLAG as RESIZE_FLAG
+from vllm_kv_cache_limit.hooks.runtime.server import ENABLE_FLAG as RESIZE_FLAG
+from vllm_kv_cache_limit.logic.autoscale_policy import AUTOSCALE_FLAG, MIN_MEMORY_FLAG, SHARED_BUDGET_FLAG
+from vllm_kv_cache_limit.logic.cap_decision import FLAG
 
 WITHOUT_PLUGIN = {"VLLM_PLUGINS": ""}
 WITHOUT_PYTHON = REFERENCE_PYTHON if UPSTREAM else None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.helpers import engine_cache_settings, enter_engine_process, error_result
-from vllm_kv_cache_limit.kv_cache import kv_cache_storages
+from vllm_kv_cache_limit.logic.kv_cache import kv_cache_storages
 
 PROMPTS = ["Hello, my name is", "The capital of France is"]
 

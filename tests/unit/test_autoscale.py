@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from vllm_kv_cache_limit import envs
-from vllm_kv_cache_limit.autoscale import (
+from vllm_kv_cache_limit.logic import envs
+from vllm_kv_cache_limit.logic.autoscale_policy import (
     DEFAULT_SHRINK_AFTER_S,
     Policy,
     Scaler,
@@ -24,8 +24,8 @@ from vllm_kv_cache_limit.autoscale import (
     grant,
     shrink_after_s,
 )
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
-from vllm_kv_cache_limit.resize import NULL_BLOCKS, Allocation
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic.limit_math import NULL_BLOCKS, Allocation
 
 GiB = 2**30
 MiB = 2**20

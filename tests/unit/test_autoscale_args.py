@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kv_cache_limit import config, envs, register
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit import config, register
+from vllm_kv_cache_limit.logic import envs
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 
 GiB = 2**30
 MiB = 2**20
@@ -295,7 +296,7 @@ def test_registration_leaves_a_vllm_without_its_environment_table_untouched(
     import vllm
 
     from vllm_kv_cache_limit import compat
-    from vllm_kv_cache_limit.patches.arg_utils import register_environment_variables
+    from vllm_kv_cache_limit.hooks.cap.arg_utils import register_environment_variables
 
     renamed = types.ModuleType("vllm.envs")
     renamed.environment_variables_v2 = {}  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""The engine core's autoscaler (``resizing.autoscaling``) without an engine:
+"""The engine core's autoscaler (``hooks.runtime.autoscaler``) without an engine:
 stand-in schedulers and block pools, real ledger files. Two autoscalers
 share one budget: one grows into it, gives back when the other needs
 blocks, does not take it again at once, and the holds never add up to more
@@ -18,10 +18,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_kv_cache_limit.autoscale import Policy, Scaler  # noqa: E402
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError  # noqa: E402
-from vllm_kv_cache_limit.resize import Allocation  # noqa: E402
-from vllm_kv_cache_limit.resizing import autoscaling  # noqa: E402
+from vllm_kv_cache_limit.hooks.runtime import autoscaler  # noqa: E402
+from vllm_kv_cache_limit.logic.autoscale_policy import Policy, Scaler  # noqa: E402
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError  # noqa: E402
+from vllm_kv_cache_limit.logic.limit_math import Allocation  # noqa: E402
 
 BPB = 1024
 """Bytes per block of the stand-in KV cache."""
@@ -70,10 +70,10 @@ class Engine:
         self.withheld = set(range(max(self.limit, self.in_use_up_to), BLOCKS))
 
 
-def autoscaler(engine: Engine, budget: int | None, floor: int = 20, workers: int = 1) -> autoscaling.Autoscaler:
+def new_autoscaler(engine: Engine, budget: int | None, floor: int = 20, workers: int = 1) -> autoscaler.Autoscaler:
     """``workers``: how many of its workers keep their KV cache on the device."""
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=BPB, blocks_per_request=8, max_model_len=128)
-    return autoscaling.Autoscaler(
+    return autoscaler.Autoscaler(
         allocation=allocation,
         scaler=Scaler(Policy(floor, allocation.blocks_per_request, shrink_after_s=1000.0)),
         ceiling=BLOCKS,
@@ -85,17 +85,17 @@ def autoscaler(engine: Engine, budget: int | None, floor: int = 20, workers: int
     )
 
 
-def join_refused(scaler: autoscaling.Autoscaler, folder: Path) -> str:
+def join_refused(scaler: autoscaler.Autoscaler, folder: Path) -> str:
     """The message of the cap error joining the ledger raises."""
     with pytest.raises(KVCacheMaxMemoryError) as refused:
-        autoscaling.join(scaler, DEVICES, str(folder))
+        autoscaler.join(scaler, DEVICES, str(folder))
     return str(refused.value)
 
 
 def started(
-    engine: Engine, scaler: autoscaling.Autoscaler, folder: Path, devices: list[tuple[str, str]] = DEVICES
-) -> autoscaling.Autoscaler:
-    autoscaling.join(scaler, devices, str(folder))
+    engine: Engine, scaler: autoscaler.Autoscaler, folder: Path, devices: list[tuple[str, str]] = DEVICES
+) -> autoscaler.Autoscaler:
+    autoscaler.join(scaler, devices, str(folder))
     engine.set_limit(engine, scaler.floor * BPB, "drain")
     scaler.held = scaler.floor
     return scaler
@@ -105,20 +105,20 @@ def started(
 def pair(tmp_path: Path):
     budget = 300 * BPB
     a, b = Engine(), Engine()
-    sa = started(a, autoscaler(a, budget), tmp_path)
-    sb = started(b, autoscaler(b, budget), tmp_path)
+    sa = started(a, new_autoscaler(a, budget), tmp_path)
+    sb = started(b, new_autoscaler(b, budget), tmp_path)
     yield a, sa, b, sb, budget
     sa.close()
     sb.close()
 
 
-def tick(engine: Engine, scaler: autoscaling.Autoscaler, now: float) -> None:
+def tick(engine: Engine, scaler: autoscaler.Autoscaler, now: float) -> None:
     scaler.tick(engine, engine, now)
 
 
 def test_demand_counts_each_request_to_its_max_tokens_within_max_model_len() -> None:
     engine = Engine()
-    scaler = autoscaler(engine, None)
+    scaler = new_autoscaler(engine, None)
     engine.requests = {
         "new": Request(num_tokens=10, num_prompt_tokens=10, max_tokens=100),  # 110 tokens: 7 blocks
         "resumed": Request(num_tokens=50, num_prompt_tokens=10, max_tokens=20),  # past max_tokens: 51, 4 blocks
@@ -129,7 +129,7 @@ def test_demand_counts_each_request_to_its_max_tokens_within_max_model_len() -> 
 
 def test_a_grow_is_decided_at_once_and_anything_else_at_most_every_tick() -> None:
     engine = Engine()
-    scaler = autoscaler(engine, None)
+    scaler = new_autoscaler(engine, None)
     scaler.scaler = Scaler(Policy(20, 8, shrink_after_s=0.0))
     engine.set_limit(engine, 20 * BPB, "drain")
     tick(engine, scaler, 100.0)
@@ -149,7 +149,7 @@ def test_a_grow_is_decided_at_once_and_anything_else_at_most_every_tick() -> Non
 
 def test_a_demand_held_above_the_ceiling_is_not_decided_again_before_the_tick() -> None:
     engine = Engine()
-    scaler = autoscaler(engine, None)
+    scaler = new_autoscaler(engine, None)
     scaler.ceiling = 30
     engine.set_limit(engine, 20 * BPB, "drain")
     decided: list[int] = []
@@ -169,7 +169,7 @@ def test_a_demand_held_above_the_ceiling_is_not_decided_again_before_the_tick() 
 
 
 def test_an_unchanged_entry_is_not_written_again(pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_kv_cache_limit import budget as ledger
+    from vllm_kv_cache_limit.logic import budget_ledger as ledger
 
     a, sa, b, sb, _ = pair
     writes: list[dict[str, Any]] = []
@@ -239,17 +239,17 @@ def test_under_contention_the_budget_is_split_and_nobody_takes_it_back_at_once(p
 
 def test_a_different_budget_is_refused_quoting_both(pair, tmp_path: Path) -> None:
     c = Engine()
-    message = join_refused(autoscaler(c, 200 * BPB), tmp_path)
+    message = join_refused(new_autoscaler(c, 200 * BPB), tmp_path)
     assert "--kv-cache-shared-budget 200KiB (204800 bytes) differs from the 300KiB (307200 bytes)" in message
     assert "must give the same budget" in message
 
 
 def test_a_budget_below_the_floors_is_refused_quoting_them(tmp_path: Path) -> None:
     a = Engine()
-    sa = started(a, autoscaler(a, 50 * BPB, floor=30), tmp_path)
+    sa = started(a, new_autoscaler(a, 50 * BPB, floor=30), tmp_path)
     try:
         b = Engine()
-        message = join_refused(autoscaler(b, 50 * BPB, floor=30), tmp_path)
+        message = join_refused(new_autoscaler(b, 50 * BPB, floor=30), tmp_path)
         assert "--kv-cache-shared-budget 50KiB (51200 bytes) is below the floors" in message
         assert "this one's 30KiB" in message and "at least 60KiB (61440 bytes)" in message
     finally:
@@ -262,11 +262,11 @@ def test_shutdown_removes_the_ledger_entries_before_vllm_tears_down(tmp_path: Pa
     """``EngineCore.shutdown`` wrapped: the entry goes at once (not when the
     process exits, nor at the next reader), so an engine shut down in a
     process that goes on gives its share back; the original still runs."""
-    from vllm_kv_cache_limit.budget import ENTRY_SUFFIX, Ledger
-    from vllm_kv_cache_limit.resizing.engine_core import _leave_budget_first
+    from vllm_kv_cache_limit.hooks.runtime.engine_core import _leave_budget_first
+    from vllm_kv_cache_limit.logic.budget_ledger import ENTRY_SUFFIX, Ledger
 
     engine = Engine()
-    scaler = started(engine, autoscaler(engine, 300 * BPB), tmp_path)
+    scaler = started(engine, new_autoscaler(engine, 300 * BPB), tmp_path)
     entries = lambda: sorted(tmp_path.glob(f"budget-*/*{ENTRY_SUFFIX}"))  # noqa: E731
     assert len(entries()) == 1
     other = Ledger(str(tmp_path), DEVICES[0][0], label="other")
@@ -294,7 +294,7 @@ def test_shutdown_removes_the_ledger_entries_before_vllm_tears_down(tmp_path: Pa
 
 
 def test_a_failure_leaving_the_ledger_does_not_stop_vllms_shutdown(caplog: pytest.LogCaptureFixture) -> None:
-    from vllm_kv_cache_limit.resizing.engine_core import _leave_budget_first
+    from vllm_kv_cache_limit.hooks.runtime.engine_core import _leave_budget_first
 
     class Broken:
         def close(self) -> None:
@@ -314,18 +314,18 @@ def test_a_ledger_this_instance_may_not_write_is_refused_quoting_it(
     """Another user's budget folder without write access for others: the
     entry cannot be created. (Simulated: these tests may run as root, whom
     modes do not stop.)"""
-    from vllm_kv_cache_limit import budget
+    from vllm_kv_cache_limit.logic import budget_ledger
 
-    real = budget._open_regular
+    real = budget_ledger._open_regular
 
     def refuse_entries(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int | None:
-        if name.endswith(budget.ENTRY_SUFFIX):
+        if name.endswith(budget_ledger.ENTRY_SUFFIX):
             raise PermissionError(13, "Permission denied", name)
         return real(dir_fd, name, flags, mode)
 
-    monkeypatch.setattr(budget, "_open_regular", refuse_entries)
+    monkeypatch.setattr(budget_ledger, "_open_regular", refuse_entries)
     engine = Engine()
-    scaler = autoscaler(engine, 300 * BPB)
+    scaler = new_autoscaler(engine, 300 * BPB)
     message = join_refused(scaler, tmp_path)
     assert f"--kv-cache-shared-budget: the ledger in {tmp_path} cannot be used" in message, message
     assert "Permission denied" in message and "VLLM_KV_CACHE_LIMIT_LOCK_DIR" in message, message
@@ -338,8 +338,8 @@ def test_workers_sharing_a_device_count_once_each_in_its_ledger(tmp_path: Path) 
     limit grows only as far as the budget holds both workers' blocks."""
     budget = 300 * BPB
     a, b = Engine(), Engine()
-    sa = started(a, autoscaler(a, budget, workers=2), tmp_path)
-    sb = started(b, autoscaler(b, budget), tmp_path)
+    sa = started(a, new_autoscaler(a, budget, workers=2), tmp_path)
+    sb = started(b, new_autoscaler(b, budget), tmp_path)
     try:
         a.demand(250)
         tick(a, sa, 100.0)
@@ -367,16 +367,16 @@ def test_workers_sharing_a_device_count_once_each_in_its_ledger(tmp_path: Path) 
 
 def test_a_budget_below_the_floors_counts_every_worker_on_the_device(tmp_path: Path) -> None:
     a = Engine()
-    sa = started(a, autoscaler(a, 50 * BPB, floor=20), tmp_path)
+    sa = started(a, new_autoscaler(a, 50 * BPB, floor=20), tmp_path)
     try:
-        message = join_refused(autoscaler(Engine(), 50 * BPB, floor=20, workers=2), tmp_path)
+        message = join_refused(new_autoscaler(Engine(), 50 * BPB, floor=20, workers=2), tmp_path)
         # 20 blocks on each of two workers, and the other's 20: 60 blocks of 1KiB.
         assert "this one's 40KiB (its workers' floors on the device together) and 1 other(s)' 20KiB" in message
         assert "at least 60KiB" in message, message
     finally:
         sa.close()
     # Alone on the device, its workers' floors alone can be above the budget.
-    message = join_refused(autoscaler(Engine(), 30 * BPB, floor=20, workers=2), tmp_path)
+    message = join_refused(new_autoscaler(Engine(), 30 * BPB, floor=20, workers=2), tmp_path)
     assert "host memory node 0: this one's 40KiB (its workers' floors on the device together). Give" in message
 
 
@@ -387,7 +387,7 @@ def test_instances_with_one_label_are_each_counted(tmp_path: Path) -> None:
     three in one process, one label)."""
     budget = 300 * BPB
     engines = [Engine() for _ in range(3)]
-    scalers = [started(engine, autoscaler(engine, budget), tmp_path) for engine in engines]
+    scalers = [started(engine, new_autoscaler(engine, budget), tmp_path) for engine in engines]
     (a, b, c), (sa, sb, sc) = engines, scalers
     try:
         assert len({ledger.label for s in scalers for ledger in s.ledgers}) == 1  # the premise
@@ -407,14 +407,14 @@ def test_instances_with_one_label_are_each_counted(tmp_path: Path) -> None:
 def test_an_instance_on_two_devices_counts_once(tmp_path: Path) -> None:
     two = [*DEVICES, ("cpu-node1", "host memory node 1")]
     engines = [Engine(), Engine()]
-    scalers = [autoscaler(engine, 300 * BPB) for engine in engines]
+    scalers = [new_autoscaler(engine, 300 * BPB) for engine in engines]
     try:
         for scaler in scalers:
-            autoscaling.join(scaler, two, str(tmp_path))
+            autoscaler.join(scaler, two, str(tmp_path))
         # Each sees the other in both ledgers, with one id: one instance.
         with scalers[1].transaction() as views:
             assert [len(view.others) for view in views] == [1, 1]
-            assert len(autoscaling._instances(views)) == 1
+            assert len(autoscaler._instances(views)) == 1
     finally:
         for scaler in scalers:
             scaler.close()
@@ -423,8 +423,8 @@ def test_an_instance_on_two_devices_counts_once(tmp_path: Path) -> None:
 def test_instances_on_different_devices_do_not_share_a_budget(tmp_path: Path) -> None:
     a, b = Engine(), Engine()
     budget = 300 * BPB
-    sa = started(a, autoscaler(a, budget), tmp_path)
-    sb = started(b, autoscaler(b, budget), tmp_path, [("cpu-node1", "host memory node 1")])
+    sa = started(a, new_autoscaler(a, budget), tmp_path)
+    sb = started(b, new_autoscaler(b, budget), tmp_path, [("cpu-node1", "host memory node 1")])
     try:
         a.demand(200)
         b.demand(200)
@@ -442,7 +442,7 @@ def test_instances_on_different_devices_do_not_share_a_budget(tmp_path: Path) ->
 
 
 def test_without_a_budget_the_status_names_no_device() -> None:
-    scaler = autoscaler(Engine(), None)
+    scaler = new_autoscaler(Engine(), None)
     assert scaler.status()["devices"] is None and scaler._budget_text() == ""
 
 
@@ -451,7 +451,7 @@ def test_without_a_budget_the_status_names_no_device() -> None:
 
 def test_the_timer_decides_only_while_no_call_holds_the_lock() -> None:
     engine = Engine()
-    scaler = autoscaler(engine, None)
+    scaler = new_autoscaler(engine, None)
     lock = threading.RLock()
     decided = threading.Event()
     decisions: list[bool] = []
@@ -462,16 +462,16 @@ def test_the_timer_decides_only_while_no_call_holds_the_lock() -> None:
         decided.set()
 
     with lock:  # a call in progress
-        thread = autoscaling.start_deciding(scaler, lock, decide)
-        assert not decided.wait(5 * autoscaling.TICK_S) and decisions == []
-    assert decided.wait(30 * autoscaling.TICK_S), "no decision once the call ended"
+        thread = autoscaler.start_deciding(scaler, lock, decide)
+        assert not decided.wait(5 * autoscaler.TICK_S) and decisions == []
+    assert decided.wait(30 * autoscaler.TICK_S), "no decision once the call ended"
     scaler.close()
-    thread.join(timeout=30 * autoscaling.TICK_S)
+    thread.join(timeout=30 * autoscaler.TICK_S)
     assert not thread.is_alive() and decisions and all(decisions), decisions
 
 
 def test_a_failing_decision_is_logged_and_the_timer_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    scaler = autoscaler(Engine(), None)
+    scaler = new_autoscaler(Engine(), None)
     lock = threading.RLock()
     calls: list[int] = []
 
@@ -481,13 +481,13 @@ def test_a_failing_decision_is_logged_and_the_timer_goes_on(caplog: pytest.LogCa
             raise RuntimeError("a scheduler in an odd state")
 
     with caplog.at_level(logging.ERROR, logger="vllm.plugins.kv_cache_limit"):
-        thread = autoscaling.start_deciding(scaler, lock, decide)
+        thread = autoscaler.start_deciding(scaler, lock, decide)
         deadline = 100
         while len(calls) < 2 and deadline:
-            threading.Event().wait(autoscaling.TICK_S)
+            threading.Event().wait(autoscaler.TICK_S)
             deadline -= 1
         scaler.close()
-        thread.join(timeout=30 * autoscaling.TICK_S)
+        thread.join(timeout=30 * autoscaler.TICK_S)
     assert len(calls) >= 2, calls
     assert "KV cache autoscaling failed while the engine idled" in caplog.text
     assert lock.acquire(blocking=False)  # released after the failure
@@ -517,17 +517,17 @@ def decision_in_progress(lock: Any, order: list[str], ends: Callable[[], str]) -
 
 
 def test_a_client_call_waits_for_a_decision_in_progress() -> None:
-    """``InprocClient``'s methods wrapped (``resizing.client``): with the
+    """``InprocClient``'s methods wrapped (``hooks.runtime.client``): with the
     engine core's lock held by a decision, a call starts only after it; an
     engine core without the lock (no autoscaling) is called at once."""
-    from vllm_kv_cache_limit.resizing.client import _holding_engine_lock
+    from vllm_kv_cache_limit.hooks.runtime.client import _holding_engine_lock
 
     order: list[str] = []
     core = type("Core", (), {})()
-    setattr(core, autoscaling.ENGINE_LOCK, threading.RLock())
+    setattr(core, autoscaler.ENGINE_LOCK, threading.RLock())
     client = type("Client", (), {"engine_core": core})()
     call = _holding_engine_lock(lambda self, x: order.append(f"call {x}") or x)
-    end_decision = decision_in_progress(getattr(core, autoscaling.ENGINE_LOCK), order, lambda: "decision ends")
+    end_decision = decision_in_progress(getattr(core, autoscaler.ENGINE_LOCK), order, lambda: "decision ends")
     caller = threading.Thread(target=call, args=(client, 1))
     caller.start()
     caller.join(timeout=0.5)
@@ -539,22 +539,22 @@ def test_a_client_call_waits_for_a_decision_in_progress() -> None:
     assert call(plain, 2) == 2 and order[-1] == "call 2"
 
 
-def in_process_core(folder: Path) -> tuple[autoscaling.Autoscaler, Any, threading.RLock]:
+def in_process_core(folder: Path) -> tuple[autoscaler.Autoscaler, Any, threading.RLock]:
     """An in-process engine core stand-in with an autoscaler in a ledger
     under ``folder`` and its autoscaling lock."""
     engine = Engine()
-    scaler = started(engine, autoscaler(engine, 300 * BPB), folder)
+    scaler = started(engine, new_autoscaler(engine, 300 * BPB), folder)
     core = type("Core", (), {})()
     core._kvcl_autoscaler = scaler
     lock = threading.RLock()
-    setattr(core, autoscaling.ENGINE_LOCK, lock)
+    setattr(core, autoscaler.ENGINE_LOCK, lock)
     return scaler, core, lock
 
 
 def test_shutdown_waits_for_a_decision_in_progress(tmp_path: Path) -> None:
     """vLLM's finalizer calls ``EngineCore.shutdown`` without the client's
     lock: the ledger is left only once the timer's decision has ended."""
-    from vllm_kv_cache_limit.resizing.engine_core import _leave_budget_first
+    from vllm_kv_cache_limit.hooks.runtime.engine_core import _leave_budget_first
 
     scaler, core, lock = in_process_core(tmp_path)
     order: list[str] = []
@@ -622,7 +622,7 @@ def test_a_ledger_held_by_another_process_never_stalls_a_decision(
 
 def test_a_failure_at_every_decision_is_logged_once_per_episode(caplog: pytest.LogCaptureFixture) -> None:
     engine = Engine()
-    scaler = autoscaler(engine, None)
+    scaler = new_autoscaler(engine, None)
 
     def broken(*args: Any) -> None:
         raise RuntimeError("a scheduler in an odd state")
@@ -647,7 +647,7 @@ def test_shutdown_never_closes_the_ledger_under_a_decision_that_outlasts_its_wai
     """A decision longer than the shutdown's wait: vLLM's shutdown goes on,
     the ledger's descriptors stay open while the decision may still use
     them, and the timer closes them as the decision ends."""
-    from vllm_kv_cache_limit.resizing import engine_core
+    from vllm_kv_cache_limit.hooks.runtime import engine_core
 
     monkeypatch.setattr(engine_core, "SHUTDOWN_WAIT_S", 0.2)
     scaler, core, lock = in_process_core(tmp_path)
@@ -659,7 +659,7 @@ def test_shutdown_never_closes_the_ledger_under_a_decision_that_outlasts_its_wai
         release.wait(30)
         seen.append(len(scaler.ledgers) and scaler.ledgers[0].lock_fd)
 
-    timer = autoscaling.start_deciding(scaler, lock, decide)
+    timer = autoscaler.start_deciding(scaler, lock, decide)
     assert deciding.wait(30)
     order: list[str] = []
     engine_core._leave_budget_first(lambda core: order.append("vLLM's shutdown"))(core)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kv_cache_limit.budget import ENTRY_SUFFIX, LEDGER_LOCK, Ledger, folder_name
-from vllm_kv_cache_limit.startup_lock import LockSetupError
+from vllm_kv_cache_limit.logic.budget_ledger import ENTRY_SUFFIX, LEDGER_LOCK, Ledger, folder_name
+from vllm_kv_cache_limit.logic.startup_lock import LockSetupError
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "cpu-node0"
@@ -28,7 +28,7 @@ KEY = "cpu-node0"
 CHILD = textwrap.dedent(
     """
     import sys, time
-    from vllm_kv_cache_limit.budget import Ledger
+    from vllm_kv_cache_limit.logic.budget_ledger import Ledger
     ledger = Ledger(sys.argv[1], sys.argv[2], label=sys.argv[3])
     with ledger.transaction() as view:
         view.write({"holds": 123, "wants": 456, "floor": 7})

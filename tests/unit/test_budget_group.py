@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kv_cache_limit.budget import folder_name
+from vllm_kv_cache_limit.logic.budget_ledger import folder_name
 
 KEY = "cpu-node0"
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_kv_cache_limit"
@@ -28,7 +28,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vllm_kv_cache_limit"
 JOIN = textwrap.dedent(
     """
     import json, sys
-    from vllm_kv_cache_limit.budget import Ledger
+    from vllm_kv_cache_limit.logic.budget_ledger import Ledger
     try:
         ledger = Ledger(sys.argv[1], sys.argv[2], label=sys.argv[3])
         with ledger.transaction(wait=False) as view:

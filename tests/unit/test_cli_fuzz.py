@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import REPO
-from vllm_kv_cache_limit.policy import ENV_VAR, FLAG
-from vllm_kv_cache_limit.sizes import parse_size
+from vllm_kv_cache_limit.logic.cap_decision import ENV_VAR, FLAG
+from vllm_kv_cache_limit.logic.sizes import parse_size
 
 BAD_VALUES = ["8 gigs", "-1G", "1.5.5G", "0", "", "lots", "8Gb/s", "1e9"]
 fuzz = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])

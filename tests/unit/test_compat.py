@@ -20,9 +20,9 @@ from types import ModuleType
 
 import pytest
 
-import vllm_kv_cache_limit.patches.arg_utils  # noqa: F401  (reached as patches.arg_utils)
+import vllm_kv_cache_limit.hooks.cap.arg_utils  # noqa: F401  (reached as hooks.cap.arg_utils)
 from tests.conftest import REPO
-from vllm_kv_cache_limit import compat, patches, resizing
+from vllm_kv_cache_limit import compat, hooks
 
 SCRIPT = REPO / "scripts" / "check_hooks.py"
 NEWEST_CUDA = "0.34.0"
@@ -311,13 +311,12 @@ def test_docs_hooks_table_is_generated_from_hooks(script: ModuleType) -> None:
 
 def test_every_wrapper_is_declared_beside_its_hook() -> None:
     """A hook's wrapper lives in the module that declares the hook (one hook,
-    one place), and every module of ``patches`` and ``resizing`` is in the
-    registry."""
+    one place), and every module under ``hooks`` that declares hooks is in
+    the registry."""
     import importlib
     import pkgutil
 
-    import vllm_kv_cache_limit.patches
-    import vllm_kv_cache_limit.resizing
+    import vllm_kv_cache_limit.hooks
     from vllm_kv_cache_limit.compat import registry
 
     for module in registry.modules(registry.CAP_MODULES + registry.RESIZE_MODULES):
@@ -325,11 +324,11 @@ def test_every_wrapper_is_declared_beside_its_hook() -> None:
             assert hook.wrapper is None or hook.wrapper.__module__ == module.__name__, (hook.name, module.__name__)
             assert callable(hook.wrapper) or hook.wrapper is None
     declared = set()
-    for package in (vllm_kv_cache_limit.patches, vllm_kv_cache_limit.resizing):
-        for info in pkgutil.iter_modules(package.__path__):
-            module = importlib.import_module(f"{package.__name__}.{info.name}")
-            if hasattr(module, "HOOKS"):
-                declared.add(module.__name__.removeprefix("vllm_kv_cache_limit."))
+    package = vllm_kv_cache_limit.hooks
+    for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+        module = importlib.import_module(info.name)
+        if hasattr(module, "HOOKS"):
+            declared.add(module.__name__.removeprefix("vllm_kv_cache_limit."))
     assert declared == set(registry.CAP_MODULES + registry.RESIZE_MODULES)
 
 
@@ -419,7 +418,7 @@ def _collect(body: list[ast.stmt], prefix: str, found: set[str]) -> None:
 @functools.cache
 def package_index() -> dict[str, tuple[frozenset[str], frozenset[str]]]:
     """Module of the package, dotted and relative to it (``compat``,
-    ``resizing.block_pool``) -> what it defines (functions, classes, and
+    ``hooks.runtime.block_pool``) -> what it defines (functions, classes, and
     their methods and class attributes as ``Class.name``; top-level
     assignments) and what it imports at its top level, read with ``ast``."""
     index = {}
@@ -440,7 +439,7 @@ def package_index() -> dict[str, tuple[frozenset[str], frozenset[str]]]:
 
 
 def _modules_named(prefix: str) -> list[str]:
-    """The package's modules that ``prefix`` (``autoscaling``, ``patches.devices``) names."""
+    """The package's modules that ``prefix`` (``autoscaling``, ``hooks.devices``) names."""
     return [m for m in package_index() if m == prefix or m.endswith(f".{prefix}")]
 
 
@@ -735,7 +734,7 @@ def test_capped_start_fails_naming_a_missing_attribute(monkeypatch: pytest.Monke
     before vLLM's own runs."""
     from types import SimpleNamespace
 
-    from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
+    from vllm_kv_cache_limit.logic.cap_decision import KVCacheMaxMemoryError
 
     gone = compat.Attribute(("vllm.utils.mem_utils",), "MemorySnapshot", "device_v2", "test")
     monkeypatch.setattr(compat.attributes, "ATTRIBUTES", (*compat.ATTRIBUTES, gone))
@@ -744,7 +743,7 @@ def test_capped_start_fails_naming_a_missing_attribute(monkeypatch: pytest.Monke
         raise AssertionError("vLLM's create_engine_config ran")
 
     with pytest.raises(KVCacheMaxMemoryError, match=r"vllm\.utils\.mem_utils\.MemorySnapshot\.device_v2 is missing"):
-        patches.arg_utils._carry_cap_into_config(original)(SimpleNamespace(kv_cache_max_memory=16 * 2**20))
+        hooks.cap.arg_utils._carry_cap_into_config(original)(SimpleNamespace(kv_cache_max_memory=16 * 2**20))
 
 
 def test_resize_refuses_naming_a_missing_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -752,16 +751,16 @@ def test_resize_refuses_naming_a_missing_attribute(monkeypatch: pytest.MonkeyPat
     core and before the client touches the engine: it refuses naming it."""
     from types import SimpleNamespace
 
-    from vllm_kv_cache_limit.resize import KVCacheResizeError
+    from vllm_kv_cache_limit.logic.limit_math import KVCacheResizeError
 
     gone = compat.Attribute(("vllm.v1.core.sched.scheduler",), "Scheduler", "running_queue", "test")
     monkeypatch.setattr(compat.attributes, "RESIZE_ATTRIBUTES", (*compat.RESIZE_ATTRIBUTES, gone))
-    monkeypatch.setattr(resizing.availability, "unavailable", {})
-    monkeypatch.setattr(resizing.availability, "_called_checked", False)
-    reply = resizing.engine_core._kv_cache_limit_status(SimpleNamespace())
+    monkeypatch.setattr(hooks.runtime.availability, "unavailable", {})
+    monkeypatch.setattr(hooks.runtime.availability, "_called_checked", False)
+    reply = hooks.runtime.engine_core._kv_cache_limit_status(SimpleNamespace())
     assert reply == {
         "error": "Run-time KV cache resize is unavailable in this vLLM: "
         "vllm.v1.core.sched.scheduler.Scheduler.running_queue is missing"
     }
     with pytest.raises(KVCacheResizeError, match="Scheduler.running_queue is missing"):
-        resizing.client.set_kv_cache_max_memory(SimpleNamespace(), "1M")
+        hooks.runtime.client.set_kv_cache_max_memory(SimpleNamespace(), "1M")

@@ -19,9 +19,9 @@ import yaml
 from kubernetes_validate.utils import all_versions, major_minor
 
 from tests.conftest import REPO
-from vllm_kv_cache_limit.autoscale import check_settings, fits_floors
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
-from vllm_kv_cache_limit.sizes import parse_size
+from vllm_kv_cache_limit.logic.autoscale_policy import check_settings, fits_floors
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic.sizes import parse_size
 
 EXAMPLES = REPO / "docs" / "examples"
 MANIFEST = EXAMPLES / "two-instances-one-gpu.yaml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from vllm_kv_cache_limit import envs
+from vllm_kv_cache_limit.logic import envs
 
 
 def test_only_set_user_variables_are_registered() -> None:

@@ -1,4 +1,4 @@
-"""``vllm_kv_cache_limit.kv_cache``: a worker's KV cache tensors, the storages
+"""``vllm_kv_cache_limit.logic.kv_cache``: a worker's KV cache tensors, the storages
 behind them (views of one buffer count once) and their bytes; the backing
 bytes and the bytes per block of a ``KVCacheConfig``."""
 
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_kv_cache_limit.kv_cache import (
+from vllm_kv_cache_limit.logic.kv_cache import (
     backing_bytes,
     bytes_per_block,
     kv_cache_storages,
@@ -79,6 +79,6 @@ def test_bytes_per_block_is_the_smallest_that_covers_the_backing(backing: int, n
 
 
 def test_import_loads_neither_torch_nor_vllm() -> None:
-    code = "import sys, vllm_kv_cache_limit.kv_cache; print(sorted({'torch', 'vllm'} & set(sys.modules)))"
+    code = "import sys, vllm_kv_cache_limit.logic.kv_cache; print(sorted({'torch', 'vllm'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -67,7 +67,7 @@ def test_wheel_holds_the_package_and_no_test_helper(tmp_path: Path) -> None:
     )
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "vllm_kv_cache_limit.pth" in names and "vllm_kv_cache_limit/kv_cache.py" in names, names
+    assert "vllm_kv_cache_limit.pth" in names and "vllm_kv_cache_limit/logic/kv_cache.py" in names, names
     top = {name.split("/")[0] for name in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"vllm_kv_cache_limit", "vllm_kv_cache_limit.pth"}, top
     modules = {Path(name).stem for name in names if name.endswith(".py")}

@@ -13,16 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 
-# The submodules this file reaches as patches.X, imported here rather than
+# The submodules this file reaches as hooks.cap.X, imported here rather than
 # left to the vLLM imports of whichever test ran first.
-import vllm_kv_cache_limit.patches.cpu_worker
-import vllm_kv_cache_limit.patches.devices
-import vllm_kv_cache_limit.patches.engine_core
-import vllm_kv_cache_limit.patches.gpu_worker
-import vllm_kv_cache_limit.patches.worker_gate  # noqa: F401
-from vllm_kv_cache_limit import _bootstrap, envs, patches, register
+import vllm_kv_cache_limit.hooks.cap.cpu_worker
+import vllm_kv_cache_limit.hooks.cap.engine_core
+import vllm_kv_cache_limit.hooks.cap.gpu_worker
+import vllm_kv_cache_limit.hooks.cap.worker_gate  # noqa: F401
+from vllm_kv_cache_limit import _bootstrap, hooks, register
 from vllm_kv_cache_limit.config import FIELD
-from vllm_kv_cache_limit.policy import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic import envs
+from vllm_kv_cache_limit.logic.cap_decision import KVCacheMaxMemoryError
 
 GiB = 2**30
 MiB = 2**20
@@ -147,7 +147,7 @@ def test_cuda_gate_refuses_without_cap_and_asks_for_free_memory_with_one() -> No
     calls in ``init_device``), wrapped as the plugin wraps it."""
     from vllm.v1.worker.utils import request_memory
 
-    wrapped = patches.gpu_worker._ceiling_request_memory(request_memory)
+    wrapped = hooks.cap.gpu_worker._ceiling_request_memory(request_memory)
     snapshot = _snapshot(80 * GiB, 20 * GiB)  # another instance holds 60 GiB
     with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
         wrapped(snapshot, _cache_config(0.9, None))  # the premise: vLLM alone refuses
@@ -155,7 +155,7 @@ def test_cuda_gate_refuses_without_cap_and_asks_for_free_memory_with_one() -> No
     requested = wrapped(snapshot, config)
     assert 20 * GiB - 1 <= requested <= 20 * GiB
     assert config.gpu_memory_utilization == 0.9  # the caller's config is untouched
-    gate = patches.worker_gate.gate_of(config)  # kept on the worker's own config
+    gate = hooks.cap.worker_gate.gate_of(config)  # kept on the worker's own config
     assert gate is not None and gate.limited_by_free and gate.free == 20 * GiB
     # Weights held by another process (external_weight_memory) count as vLLM counts them.
     with pytest.raises(ValueError, match="engine's budget after excluding"):
@@ -171,13 +171,13 @@ def test_cuda_gate_with_the_two_argument_request_memory_of_vllm_0_29_to_0_31() -
     def request_memory_0_31(init_snapshot, cache_config):  # the older signature
         return request_memory(init_snapshot, cache_config)
 
-    wrapped = patches.gpu_worker._ceiling_request_memory(request_memory_0_31)
+    wrapped = hooks.cap.gpu_worker._ceiling_request_memory(request_memory_0_31)
     snapshot = _snapshot(80 * GiB, 20 * GiB)
     with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
         wrapped(snapshot, _cache_config(0.9, None))
     config = _cache_config(0.9, 8 * GiB)
     assert 20 * GiB - 1 <= wrapped(snapshot, config) <= 20 * GiB
-    assert patches.worker_gate.gate_of(config).limited_by_free
+    assert hooks.cap.worker_gate.gate_of(config).limited_by_free
 
 
 @pytest.mark.parametrize(("utilization", "free"), [(0.9, 79 * GiB), (0.3, 30 * GiB)])
@@ -187,8 +187,8 @@ def test_cuda_gate_unchanged_when_the_utilization_is_free(utilization: float, fr
     snapshot = _snapshot(80 * GiB, free)
     expected = request_memory(snapshot, _cache_config(utilization, None))
     config = _cache_config(utilization, 8 * GiB)
-    assert patches.gpu_worker._ceiling_request_memory(request_memory)(snapshot, config) == expected
-    assert not patches.worker_gate.gate_of(config).limited_by_free
+    assert hooks.cap.gpu_worker._ceiling_request_memory(request_memory)(snapshot, config) == expected
+    assert not hooks.cap.worker_gate.gate_of(config).limited_by_free
 
 
 def _gpu_worker(cap: int | None, explicit: int | None = None, gate=None):
@@ -200,13 +200,13 @@ def _gpu_worker(cap: int | None, explicit: int | None = None, gate=None):
 
 
 def _gate(*, free: int, requested: int, limited: bool):
-    return patches.worker_gate.Gate("cuda:0", 80 * GiB, free, requested, limited)
+    return hooks.cap.worker_gate.Gate("cuda:0", 80 * GiB, free, requested, limited)
 
 
 def test_cuda_cap_above_what_the_instance_can_get_fails_after_profiling(mocker) -> None:
     gate = _gate(free=20 * GiB, requested=20 * GiB, limited=True)
     original = mocker.Mock(return_value=6 * GiB)  # vLLM's budget after profiling
-    wrapped = patches.worker_gate.check_cap_fits_instance(patches.devices.cuda_free_memory, original)
+    wrapped = hooks.cap.worker_gate.check_cap_fits_instance(hooks.devices.cuda_free_memory, original)
     with pytest.raises(KVCacheMaxMemoryError) as info:
         wrapped(_gpu_worker(8 * GiB, gate=gate))
     message = str(info.value)
@@ -220,7 +220,7 @@ def test_cuda_cap_above_a_utilization_budget_is_not_an_error(mocker) -> None:
     original = mocker.Mock(return_value=10 * GiB)
     mem_get_info = mocker.patch("torch.cuda.mem_get_info")
     worker = _gpu_worker(40 * GiB, gate=gate)
-    assert patches.worker_gate.check_cap_fits_instance(patches.devices.cuda_free_memory, original)(worker) == 10 * GiB
+    assert hooks.cap.worker_gate.check_cap_fits_instance(hooks.devices.cuda_free_memory, original)(worker) == 10 * GiB
     mem_get_info.assert_not_called()
 
 
@@ -230,7 +230,7 @@ def test_cuda_explicit_size_checked_against_free_memory_after_empty_cache(mocker
     mocker.patch("torch.cuda.mem_get_info", side_effect=lambda: calls.append("mem_get_info") or (10 * GiB, 80 * GiB))
     mocker.patch("torch.cuda.current_device", return_value=0)
     original = mocker.Mock(return_value=4 * GiB)
-    wrapped = patches.worker_gate.check_cap_fits_instance(patches.devices.cuda_free_memory, original)
+    wrapped = hooks.cap.worker_gate.check_cap_fits_instance(hooks.devices.cuda_free_memory, original)
     # --kv-cache-memory-bytes 4G --kv-cache-max-memory 130G: 4 GiB fits.
     assert wrapped(_gpu_worker(130 * GiB, 4 * GiB)) == 4 * GiB
     assert calls == ["empty_cache", "mem_get_info"]
@@ -245,7 +245,7 @@ def test_cuda_checks_skipped_without_cap(mocker) -> None:
     mem_get_info = mocker.patch("torch.cuda.mem_get_info")
     original = mocker.Mock(return_value=5)
     assert (
-        patches.worker_gate.check_cap_fits_instance(patches.devices.cuda_free_memory, original)(_gpu_worker(None)) == 5
+        hooks.cap.worker_gate.check_cap_fits_instance(hooks.devices.cuda_free_memory, original)(_gpu_worker(None)) == 5
     )
     mem_get_info.assert_not_called()
 
@@ -279,50 +279,50 @@ def test_cuda_fail_fast_weights_plus_caps_against_nvml_free(mocker, tmp_path: Pa
     weights = 1024 * 1024 * 2  # loaded as bfloat16
     _cuda_platform(mocker)
     free = {0: 100 * MiB, 1: 100 * MiB}
-    nvml = mocker.patch.object(patches.devices, "_nvml_free", side_effect=lambda i: free[i])
+    nvml = mocker.patch.object(hooks.devices, "_nvml_free", side_effect=lambda i: free[i])
     cuda_init = mocker.patch("torch.cuda.init")
     config = _engine_config(str(tmp_path), world=2)
     room = 200 * MiB - weights  # for the two KV caches
-    patches.devices.check_fits_before_load(config, room // 2)  # fits exactly
-    patches.devices.check_fits_before_load(config, (room + room // 100) // 2)  # 1% above: the tolerance
+    hooks.devices.check_fits_before_load(config, room // 2)  # fits exactly
+    hooks.devices.check_fits_before_load(config, (room + room // 100) // 2)  # 1% above: the tolerance
     with pytest.raises(KVCacheMaxMemoryError) as info:
-        patches.devices.check_fits_before_load(config, (room + room // 100) // 2 + 1)
+        hooks.devices.check_fits_before_load(config, (room + room // 100) // 2 + 1)
     assert "GPU 0 (GPU-uuid-0) + GPU 1 (GPU-uuid-1)" in str(info.value)
     assert f"weights take at least 2MiB ({weights} bytes)" in str(info.value)
     assert sorted(c.args[0] for c in nvml.call_args_list) == [0, 0, 0, 1, 1, 1]  # each check reads both
     cuda_init.assert_not_called()
     # On-the-fly quantization may shrink the weights: only the caps count then.
-    patches.devices.check_fits_before_load(_engine_config(str(tmp_path), 2, "fp8"), 100 * MiB)
+    hooks.devices.check_fits_before_load(_engine_config(str(tmp_path), 2, "fp8"), 100 * MiB)
     # An explicit size under the cap is what will be allocated: a cap above
     # the free memory passes when the size fits, and the size is named.
     explicit = _engine_config(str(tmp_path), world=2)
     explicit.cache_config.kv_cache_memory_bytes = room // 2
-    patches.devices.check_fits_before_load(explicit, 10 * GiB)
+    hooks.devices.check_fits_before_load(explicit, 10 * GiB)
     explicit.cache_config.kv_cache_memory_bytes += 1  # no tolerance: vLLM allocates all of it
     with pytest.raises(KVCacheMaxMemoryError, match=r"The KV cache of \d+ bytes .* set by --kv-cache-memory-bytes"):
-        patches.devices.check_fits_before_load(explicit, 10 * GiB)
+        hooks.devices.check_fits_before_load(explicit, 10 * GiB)
     # Nor when the cap reduced the explicit size to itself.
     explicit.cache_config.kv_cache_memory_bytes = 10 * GiB
-    patches.devices.check_fits_before_load(explicit, room // 2)
+    hooks.devices.check_fits_before_load(explicit, room // 2)
     with pytest.raises(KVCacheMaxMemoryError, match=r"^--kv-cache-max-memory .* cannot fit"):
-        patches.devices.check_fits_before_load(explicit, room // 2 + 1)
+        hooks.devices.check_fits_before_load(explicit, room // 2 + 1)
     # A block count: a block's size is not known yet, only the weights count.
     blocks = _engine_config(str(tmp_path), world=2)
     blocks.cache_config.num_gpu_blocks_override = 10**6
-    patches.devices.check_fits_before_load(blocks, 10 * GiB)
+    hooks.devices.check_fits_before_load(blocks, 10 * GiB)
 
 
 def test_cuda_fail_fast_skipped_when_nvml_fails(mocker, tmp_path: Path) -> None:
     _cuda_platform(mocker)
-    mocker.patch.object(patches.devices, "_nvml_free", side_effect=RuntimeError("NVML Shared Library Not Found"))
-    patches.devices.check_fits_before_load(_engine_config(str(tmp_path), 1), 100 * GiB)  # no refusal
+    mocker.patch.object(hooks.devices, "_nvml_free", side_effect=RuntimeError("NVML Shared Library Not Found"))
+    hooks.devices.check_fits_before_load(_engine_config(str(tmp_path), 1), 100 * GiB)  # no refusal
 
 
 def test_startup_lock_names_each_local_gpu_by_uuid(mocker) -> None:
     _cuda_platform(mocker, count=4)
     from vllm.config import ParallelConfig
 
-    devices, workers = patches.devices.instance_devices(
+    devices, workers = hooks.devices.instance_devices(
         SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2))
     )
     assert [d.key for d in devices] == ["GPU-uuid-0", "GPU-uuid-1"] and workers == 2
@@ -416,7 +416,7 @@ def test_engine_core_locks_the_gpus_of_its_data_parallel_rank(
     _vllm_cuda_platform(mocker, count)
     _nvml(mocker)
     config = SimpleNamespace(parallel_config=_engine_core_parallel_config(2, dp, local_dp_rank, **kwargs))
-    devices, workers = patches.devices.instance_devices(config)
+    devices, workers = hooks.devices.instance_devices(config)
     assert [d.key for d in devices] == [f"GPU-uuid-{i}" for i in expected] and workers == 2
 
 
@@ -432,7 +432,7 @@ def test_ray_data_parallel_engine_core_takes_the_gpus_vllm_assigned_it(mocker, m
     _nvml(mocker)
     parallel_config = _engine_core_parallel_config(2, 2, 1, data_parallel_backend="ray")
     parallel_config.assigned_physical_gpu_ids = get_physical_gpu_ids_for_local_dp_rank("CUDA_VISIBLE_DEVICES", 1, 2)
-    devices, workers = patches.devices.instance_devices(SimpleNamespace(parallel_config=parallel_config))
+    devices, workers = hooks.devices.instance_devices(SimpleNamespace(parallel_config=parallel_config))
     assert [d.key for d in devices] == ["GPU-uuid-2", "GPU-uuid-3"] and workers == 2
 
 
@@ -454,9 +454,9 @@ def test_fail_fast_checks_each_local_data_parallel_rank_on_its_own_gpus(mocker, 
         model_config=SimpleNamespace(model=str(tmp_path), dtype=torch.bfloat16, quantization=None, revision=None),
         cache_config=SimpleNamespace(kv_cache_memory_bytes=None, num_gpu_blocks_override=None),
     )
-    patches.devices.check_fits_before_load(config, 24 * GiB)  # 2 x 24 GiB + weights fit in 50 GiB
+    hooks.devices.check_fits_before_load(config, 24 * GiB)  # 2 x 24 GiB + weights fit in 50 GiB
     with pytest.raises(KVCacheMaxMemoryError) as info:
-        patches.devices.check_fits_before_load(config, 26 * GiB)  # 4% above: beyond the 1% tolerance
+        hooks.devices.check_fits_before_load(config, 26 * GiB)  # 4% above: beyond the 1% tolerance
     message = str(info.value)
     assert "GPU 2 (GPU-uuid-2) + GPU 3 (GPU-uuid-3) of local data-parallel rank 1" in message, message
     assert "--kv-cache-max-memory 24.99GiB" in message, message
@@ -503,12 +503,12 @@ def test_cpu_gate_reads_the_memory_node_vllm_binds_the_worker_to(mocker, monkeyp
     bind.assert_called_with([1])  # the premise: vLLM binds the worker's memory to node 1
     worker = object.__new__(cpu_worker.CPUWorker)
     capped = config(16 * MiB)
-    patches.cpu_worker._ceiling_cpu_worker_init(original)(worker, capped, 0, 0, "tcp://127.0.0.1:1")
-    slack = patches.worker_gate.cpu_gate_slack(6 * GiB)
+    hooks.cap.cpu_worker._ceiling_cpu_worker_init(original)(worker, capped, 0, 0, "tcp://127.0.0.1:1")
+    slack = hooks.cap.worker_gate.cpu_gate_slack(6 * GiB)
     assert 6 * GiB - slack - MiB <= worker.requested_cpu_memory <= 6 * GiB - slack
-    gate = patches.worker_gate.gate_of(capped.cache_config)
+    gate = hooks.cap.worker_gate.gate_of(capped.cache_config)
     assert gate is not None and gate.device == "host memory node 1 (CPU backend)"
-    assert patches.devices.cpu_free_memory(worker) == (6 * GiB, 8 * GiB, "host memory node 1 (CPU backend)")
+    assert hooks.devices.cpu_free_memory(worker) == (6 * GiB, 8 * GiB, "host memory node 1 (CPU backend)")
 
 
 RSS = 1 * GiB
@@ -536,7 +536,7 @@ def _profiled_cpu_worker(mocker, monkeypatch):
     monkeypatch.setenv("CPU_VISIBLE_MEMORY_NODES", "0")
     mocker.patch.object(torch.ops._C, "init_cpu_memory_env")
     mocker.patch("psutil.Process", return_value=SimpleNamespace(memory_info=lambda: SimpleNamespace(rss=RSS)))
-    mocker.patch.object(patches.cpu_worker, "rss_bytes", return_value=RSS)
+    mocker.patch.object(hooks.cap.cpu_worker, "rss_bytes", return_value=RSS)
 
     def worker_init(self, vllm_config, *args, **kwargs) -> None:  # what WorkerBase.__init__ keeps
         self.vllm_config = vllm_config
@@ -553,11 +553,11 @@ def _profiled_cpu_worker(mocker, monkeypatch):
         compilation_config=CompilationConfig(),
     )
     worker = object.__new__(cpu_worker.CPUWorker)
-    patches.cpu_worker._ceiling_cpu_worker_init(getattr(init, "__wrapped__", init))(
+    hooks.cap.cpu_worker._ceiling_cpu_worker_init(getattr(init, "__wrapped__", init))(
         worker, config, 0, 0, "tcp://127.0.0.1:1"
     )
     worker.model_runner = SimpleNamespace(warming_up_model=lambda: None)  # its memory is in RSS
-    return worker, patches.cpu_worker._check_cap_fits_cpu(getattr(determine, "__wrapped__", determine))
+    return worker, hooks.cap.cpu_worker._check_cap_fits_cpu(getattr(determine, "__wrapped__", determine))
 
 
 def test_cpu_cap_within_the_tolerance_above_the_budget_starts_with_the_budget(
@@ -569,13 +569,13 @@ def test_cpu_cap_within_the_tolerance_above_the_budget_starts_with_the_budget(
     import logging
 
     worker, determine_available_memory = _profiled_cpu_worker(mocker, monkeypatch)
-    assert patches.worker_gate.gate_of(worker.cache_config).limited_by_free  # the premise
+    assert hooks.cap.worker_gate.gate_of(worker.cache_config).limited_by_free  # the premise
     budget = worker.requested_cpu_memory - RSS  # what vLLM's profiling will leave
     cap = budget + budget // 200
     worker.cache_config.kv_cache_max_memory = cap
     with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
         assert determine_available_memory(worker) == budget
-    decision = patches.worker_gate.cap_decision_of(worker.vllm_config.compilation_config)
+    decision = hooks.cap.worker_gate.cap_decision_of(worker.vllm_config.compilation_config)
     assert decision is not None and decision.kv_bytes == budget and not decision.bound
     records = [r for r in caplog.records if "tolerance" in r.getMessage()]
     assert [(r.name, r.levelno) for r in records] == [("vllm.plugins.kv_cache_limit", logging.INFO)], caplog.text
@@ -586,7 +586,7 @@ def test_cpu_cap_within_the_tolerance_above_the_budget_starts_with_the_budget(
 
 def test_cpu_cap_beyond_the_tolerance_above_the_budget_is_refused(mocker, monkeypatch) -> None:
     """1.5% above the same budget: refused after profiling, naming the cap."""
-    from vllm_kv_cache_limit.sizes import format_size
+    from vllm_kv_cache_limit.logic.sizes import format_size
 
     worker, determine_available_memory = _profiled_cpu_worker(mocker, monkeypatch)
     budget = worker.requested_cpu_memory - RSS
@@ -597,7 +597,7 @@ def test_cpu_cap_beyond_the_tolerance_above_the_budget_is_refused(mocker, monkey
     message = str(info.value)
     assert message.startswith(f"--kv-cache-max-memory {format_size(cap, 'up')} ({cap} bytes"), message
     assert "can still give this instance" in message and f"({budget} bytes) for the KV cache" in message
-    assert patches.worker_gate.cap_decision_of(worker.vllm_config.compilation_config).budget == budget
+    assert hooks.cap.worker_gate.cap_decision_of(worker.vllm_config.compilation_config).budget == budget
 
 
 @pytest.mark.parametrize(("data_parallel_size", "locked"), [(1, True), (2, False)])
@@ -605,20 +605,20 @@ def test_startup_lock_not_taken_by_coupled_data_parallel_ranks(mocker, data_para
     """A dense model's data-parallel engine cores run with
     data_parallel_size 1 and take the lock; a mixture-of-experts model's keep
     their size, start in lockstep, and would deadlock on it."""
-    from vllm_kv_cache_limit import startup_lock
+    from vllm_kv_cache_limit.logic import startup_lock
 
     acquire = mocker.patch.object(startup_lock, "acquire")
     mocker.patch.object(
-        patches.engine_core,
+        hooks.cap.engine_core,
         "instance_devices",
-        return_value=([patches.devices._Device("cpu-node0", "node 0", lambda: 0)], 1),
+        return_value=([hooks.devices._Device("cpu-node0", "node 0", lambda: 0)], 1),
     )
     original = mocker.Mock()
     config = SimpleNamespace(
         cache_config=SimpleNamespace(**{FIELD: 16 * 2**20}),
         parallel_config=SimpleNamespace(data_parallel_size=data_parallel_size, data_parallel_rank=1),
     )
-    patches.engine_core._hold_startup_lock(original)("engine", config)
+    hooks.cap.engine_core._hold_startup_lock(original)("engine", config)
     original.assert_called_once_with("engine", config)
     assert acquire.called is locked
 
@@ -631,7 +631,7 @@ def test_cuda_fail_fast_uses_nvml_total(mocker) -> None:
     platform.get_device_total_memory.return_value = 80 * GiB
     mocker.patch("vllm.platforms.current_platform", platform)
     cuda_init = mocker.patch("torch.cuda.init")
-    assert patches.devices.device_total_memory() == (80 * GiB, "cuda:0")
+    assert hooks.devices.device_total_memory() == (80 * GiB, "cuda:0")
     platform.get_device_total_memory.assert_called_once_with(0)
     cuda_init.assert_not_called()
 
@@ -665,7 +665,7 @@ def test_every_entry_point_accepts_the_flag(vllm_modules) -> None:
 
 FAILING_HOOK = """
 import sys
-from vllm_kv_cache_limit.patches import engine_core
+from vllm_kv_cache_limit.hooks.cap import engine_core
 
 def broken(module):
     raise RuntimeError("simulated hook failure")
@@ -701,7 +701,7 @@ def test_hook_failure_under_a_cap_stops_naming_the_hook(tmp_path: Path) -> None:
     # An engine-core or worker process of a capped engine (the relay is armed).
     out = _run_failing_hook({envs.ERROR_FILE: str(tmp_path / "relay")})
     assert "IMPORT_FAILED KVCacheMaxMemoryError" in out, out
-    assert "patches.engine_core:patch on vllm.v1.engine.core failed: RuntimeError('simulated hook failure')" in out
+    assert "hooks.cap.engine_core:patch on vllm.v1.engine.core failed: RuntimeError('simulated hook failure')" in out
     assert "simulated hook failure" in (tmp_path / "relay").read_text()  # reaches the first process
     # The cap from the environment: the same.
     assert "IMPORT_FAILED KVCacheMaxMemoryError" in _run_failing_hook({"VLLM_KV_CACHE_MAX_MEMORY": "16M"})
@@ -712,7 +712,7 @@ def test_hook_failure_without_a_cap_warns_then_a_cap_stops_start_up(tiny_model: 
     assert "IMPORTED" in out, out
     assert "could not hook vllm.v1.engine.core" in out
     assert "CONFIG_FAILED KVCacheMaxMemoryError" in out, out
-    assert "cannot be enforced and start-up stops: patches.engine_core:patch on vllm.v1.engine.core failed" in out
+    assert "cannot be enforced and start-up stops: hooks.cap.engine_core:patch on vllm.v1.engine.core failed" in out
 
 
 def test_bootstrap_module_map_comes_from_the_registry() -> None:
@@ -763,7 +763,7 @@ def _resolve_full_cuda_graphs_for_16_sequences_in_10_mamba_blocks(config) -> Non
 def test_mamba_block_shortage_names_the_cap_when_it_binds(mocker, decision: str) -> None:
     from vllm.config.compilation import CompilationConfig
 
-    from vllm_kv_cache_limit.policy import CapDecision
+    from vllm_kv_cache_limit.logic.cap_decision import CapDecision
 
     register()
     cap = 40 * 1024
@@ -774,7 +774,7 @@ def test_mamba_block_shortage_names_the_cap_when_it_binds(mocker, decision: str)
     }[decision]
     config = CompilationConfig()
     if worker_cap is not None:  # as the worker's determine_available_memory leaves it
-        patches.worker_gate.record_worker_cap(
+        hooks.cap.worker_gate.record_worker_cap(
             SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=config)), **vars(worker_cap)
         )
     with pytest.raises(ValueError) as info:
@@ -792,7 +792,7 @@ def test_mamba_block_shortage_names_the_cap_when_it_binds(mocker, decision: str)
 
 
 def test_auto_fit_failure_names_the_cap_when_it_binds(mocker) -> None:
-    from vllm_kv_cache_limit.policy import CapDecision
+    from vllm_kv_cache_limit.logic.cap_decision import CapDecision
 
     def vllms_auto_fit(*args, **kwargs):
         raise ValueError(
@@ -800,12 +800,14 @@ def test_auto_fit_failure_names_the_cap_when_it_binds(mocker) -> None:
             "token. Try increasing `gpu_memory_utilization`."
         )
 
-    wrapped = patches.engine_core._name_cap_when_auto_fit_fails(vllms_auto_fit)
-    mocker.patch.object(patches.engine_core._active, "decision", [CapDecision(budget=GiB, cap=64 * 1024)], create=True)
+    wrapped = hooks.cap.engine_core._name_cap_when_auto_fit_fails(vllms_auto_fit)
+    mocker.patch.object(
+        hooks.cap.engine_core._active, "decision", [CapDecision(budget=GiB, cap=64 * 1024)], create=True
+    )
     with pytest.raises(KVCacheMaxMemoryError, match=r"64KiB .* too small for even one token with --max-model-len auto"):
         wrapped()
     mocker.patch.object(
-        patches.engine_core._active, "decision", [CapDecision(budget=32 * 1024, cap=64 * 1024)], create=True
+        hooks.cap.engine_core._active, "decision", [CapDecision(budget=32 * 1024, cap=64 * 1024)], create=True
     )
     with pytest.raises(ValueError, match="Try increasing `gpu_memory_utilization`"):
         wrapped()
@@ -823,17 +825,18 @@ def test_an_engine_built_later_in_the_process_sees_no_earlier_cap(mocker) -> Non
     capped.cache_config._kvcl_gate = _gate(free=20 * GiB, requested=20 * GiB, limited=False)
     # The capped engine's worker: vLLM's budget (1 GiB) is above the cap, so the cap binds.
     assert (
-        patches.worker_gate.check_cap_fits_instance(patches.devices.cuda_free_memory, mocker.Mock(return_value=GiB))(
+        hooks.cap.worker_gate.check_cap_fits_instance(hooks.devices.cuda_free_memory, mocker.Mock(return_value=GiB))(
             capped
         )
         == GiB
     )
-    assert patches.worker_gate.cap_decision_of(capped.vllm_config.compilation_config).bound  # the premise
+    assert hooks.cap.worker_gate.cap_decision_of(capped.vllm_config.compilation_config).bound  # the premise
     later = _gpu_worker(None)
     config = CompilationConfig()  # the later, uncapped engine's
     with pytest.raises(ValueError) as info:
         _resolve_full_cuda_graphs_for_16_sequences_in_10_mamba_blocks(config)
     assert type(info.value) is ValueError and "increase gpu_memory_utilization" in str(info.value)
     assert (
-        patches.worker_gate.gate_of(later.cache_config) is None and patches.worker_gate.cap_decision_of(config) is None
+        hooks.cap.worker_gate.gate_of(later.cache_config) is None
+        and hooks.cap.worker_gate.cap_decision_of(config) is None
     )

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from vllm_kv_cache_limit.policy import (
+from vllm_kv_cache_limit.logic.cap_decision import (
     CAP_TOLERANCE,
     ENV_VAR,
     CapDecision,
@@ -23,7 +23,7 @@ from vllm_kv_cache_limit.policy import (
     too_small_message,
     utilization_ceiling,
 )
-from vllm_kv_cache_limit.sizes import parse_size
+from vllm_kv_cache_limit.logic.sizes import parse_size
 
 MiB = 2**20
 GiB = 2**30
@@ -274,7 +274,7 @@ def test_too_small_message_without_estimate() -> None:
 
 
 def test_cap_error_found_in_the_chain_and_as_ray_cause() -> None:
-    from vllm_kv_cache_limit.policy import FLAG, KVCacheMaxMemoryError, cap_error_message
+    from vllm_kv_cache_limit.logic.cap_decision import FLAG, KVCacheMaxMemoryError, cap_error_message
 
     cap = KVCacheMaxMemoryError(f"{FLAG} 16MiB is too large")
     try:
@@ -294,7 +294,7 @@ def test_cap_error_found_in_the_chain_and_as_ray_cause() -> None:
 
 
 def test_cap_error_found_in_the_ray_executor_text_only_when_it_names_the_flag() -> None:
-    from vllm_kv_cache_limit.policy import FLAG, cap_error_message
+    from vllm_kv_cache_limit.logic.cap_decision import FLAG, cap_error_message
 
     message = f"The KV cache of 16777216 bytes set by {FLAG} 16M does not fit (found by worker rank 1)"
     text = f"Worker failed with error '{message}', please check the stack trace above for the root cause"

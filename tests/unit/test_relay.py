@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kv_cache_limit import envs, relay
+from vllm_kv_cache_limit.logic import envs, relay
 
 
 @pytest.fixture

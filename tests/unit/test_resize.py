@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kv_cache_limit.resize import (
+from vllm_kv_cache_limit.logic.limit_math import (
     Allocation,
     KVCacheResizeError,
     block_spans,

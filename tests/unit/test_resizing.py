@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_kv_cache_limit import register, resizing
-from vllm_kv_cache_limit.resize import Allocation
+from vllm_kv_cache_limit import hooks, register
+from vllm_kv_cache_limit.logic.limit_math import Allocation
 
 BLOCKS = 10
 
@@ -19,14 +19,14 @@ def pool():
     register()  # installs the hooks, BlockPool's wrappers included
     from vllm.v1.core.block_pool import BlockPool
 
-    from vllm_kv_cache_limit.resizing import engine_core  # noqa: F401  (resizing.engine_core, whatever ran before)
+    from vllm_kv_cache_limit.hooks.runtime import engine_core  # noqa: F401  (hooks.runtime.engine_core, whatever ran before
 
     return BlockPool(num_gpu_blocks=BLOCKS, enable_caching=True, hash_block_size=16)
 
 
 def limit_of(pool, limit: int):
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
-    state = resizing.block_pool.Limit(allocation=allocation, limit=BLOCKS, requested=allocation.nbytes)
+    state = hooks.runtime.block_pool.Limit(allocation=allocation, limit=BLOCKS, requested=allocation.nbytes)
     pool._kvcl_limit = state
     state.limit = limit
     return state
@@ -62,7 +62,7 @@ def test_grow_gives_withheld_blocks_back(pool) -> None:
     state = limit_of(pool, 4)
     state.withhold(pool, pool.blocks[4:])
     state.limit = 7
-    resizing.engine_core._grow(None, pool, state)
+    hooks.runtime.engine_core._grow(None, pool, state)
     assert state.withheld == {7, 8, 9}
     assert sorted(b.block_id for b in pool.get_new_blocks(6)) == [1, 2, 3, 4, 5, 6]
 
@@ -100,7 +100,7 @@ class _FailingEngineCore:
 
 
 def test_a_change_that_fails_inside_vllm_is_rolled_back(pool) -> None:
-    from vllm_kv_cache_limit.resize import KVCacheResizeFailed
+    from vllm_kv_cache_limit.logic.limit_math import KVCacheResizeFailed
 
     pool._kvcl_allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
     held = pool.get_new_blocks(BLOCKS - 1)
@@ -109,17 +109,17 @@ def test_a_change_that_fails_inside_vllm_is_rolled_back(pool) -> None:
     assert free_before == [1, 2, 3, 4, 5, 8, 9]
     core = _FailingEngineCore(pool, [pool.blocks[6], pool.blocks[7]])
 
-    result = resizing.engine_core._kv_cache_limit_set(core, 4 * 1024, "preempt")
+    result = hooks.runtime.engine_core._kv_cache_limit_set(core, 4 * 1024, "preempt")
 
     assert result.get("failed") is True and "preemption broke" in result["error"], result
     assert "stays at 10KiB (10 blocks)" in result["error"], result["error"]
     with pytest.raises(KVCacheResizeFailed, match="preemption broke"):
-        resizing.client._checked(result)
+        hooks.runtime.client._checked(result)
     state = pool._kvcl_limit
     assert (state.limit, state.requested, state.mode, state.withheld) == (BLOCKS, BLOCKS * 1024, "drain", set())
     assert sorted(b.block_id for b in pool.free_block_queue.get_all_free_blocks()) == free_before
     # And the engine resizes normally afterwards (drain: the request keeps its blocks).
-    status = resizing.engine_core._kv_cache_limit_set(core, 4 * 1024, "drain")
+    status = hooks.runtime.engine_core._kv_cache_limit_set(core, 4 * 1024, "drain")
     assert "error" not in status and status["num_blocks_limit"] == 4 and status["num_blocks_in_use_above_limit"] == 2
 
 
@@ -127,8 +127,8 @@ def test_a_ceiling_whose_limit_fails_is_not_kept(pool) -> None:
     """Autoscaling: a manual resize below the limit in force sets the
     limit, then the ceiling; when the limit cannot be set, the ceiling
     stays as it was."""
-    from vllm_kv_cache_limit.autoscale import Policy, Scaler
-    from vllm_kv_cache_limit.resizing import autoscaling, engine_core
+    from vllm_kv_cache_limit.hooks.runtime import autoscaler, engine_core
+    from vllm_kv_cache_limit.logic.autoscale_policy import Policy, Scaler
 
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
     pool._kvcl_allocation = allocation
@@ -136,7 +136,7 @@ def test_a_ceiling_whose_limit_fails_is_not_kept(pool) -> None:
     held = pool.get_new_blocks(BLOCKS - 1)
     pool.free_blocks([b for b in held if b.block_id not in (6, 7)])
     core = _FailingEngineCore(pool, [pool.blocks[6], pool.blocks[7]])
-    core._kvcl_autoscaler = autoscaling.Autoscaler(
+    core._kvcl_autoscaler = autoscaler.Autoscaler(
         allocation=allocation,
         scaler=Scaler(Policy(2, 1, shrink_after_s=30.0)),
         ceiling=BLOCKS,
@@ -186,11 +186,11 @@ def test_route_answers_a_failure_inside_vllm_with_500_and_bad_input_with_400(rep
 
     register()
     app = FastAPI()
-    app.include_router(resizing.server._router(SimpleNamespace(api_key=["k"], kv_cache_max_memory=None)))
+    app.include_router(hooks.runtime.server._router(SimpleNamespace(api_key=["k"], kv_cache_max_memory=None)))
     core = _CoreClient(reply)
     app.state.engine_client = SimpleNamespace(engine_core=core)
     answer = TestClient(app).post(
-        resizing.server.ROUTE, json={"size": "4K", "mode": "preempt"}, headers={"Authorization": "Bearer k"}
+        hooks.runtime.server.ROUTE, json={"size": "4K", "mode": "preempt"}, headers={"Authorization": "Bearer k"}
     )
     assert answer.status_code == code, answer.text
     assert answer.json()["error"] == {"message": reply["error"], "type": kind, "param": None, "code": code}
@@ -218,13 +218,13 @@ def test_preemption_that_fails_with_a_type_error_is_not_retried() -> None:
 
     scheduler = _preempting_scheduler(preempt)
     with pytest.raises(TypeError, match="inside vLLM"):
-        resizing.engine_core._preempt_above(scheduler, 4)
+        hooks.runtime.engine_core._preempt_above(scheduler, 4)
     assert calls == [("r0", {"drop_stale_output": True})]  # once, with this vLLM's signature
 
 
 def test_preemption_passes_only_the_parameters_this_vllm_has(monkeypatch) -> None:
     calls = []
     scheduler = _preempting_scheduler(lambda request, timestamp, **kwargs: calls.append(kwargs))
-    monkeypatch.setattr(resizing.engine_core, "_preempt_drops_stale_output", lambda: False)  # vLLM 0.29-0.31
-    resizing.engine_core._preempt_above(scheduler, 4)
+    monkeypatch.setattr(hooks.runtime.engine_core, "_preempt_drops_stale_output", lambda: False)  # vLLM 0.29-0.31
+    hooks.runtime.engine_core._preempt_above(scheduler, 4)
     assert calls == [{}] and scheduler.running == [] and scheduler.prev_step_scheduled_req_ids == set()

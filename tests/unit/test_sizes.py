@@ -8,7 +8,7 @@ import re
 import pytest
 
 from vllm_kv_cache_limit import format_size, parse_size
-from vllm_kv_cache_limit.sizes import parse_count
+from vllm_kv_cache_limit.logic.sizes import parse_count
 
 GiB = 2**30
 

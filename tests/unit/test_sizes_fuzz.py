@@ -13,7 +13,7 @@ from fractions import Fraction
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from vllm_kv_cache_limit.sizes import MAX_SIZE_BYTES, format_size, parse_size
+from vllm_kv_cache_limit.logic.sizes import MAX_SIZE_BYTES, format_size, parse_size
 
 PREFIXES = "KMGT"  # powers 1..4 of 1024 (binary) or 1000 (decimal)
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kv_cache_limit import startup_lock
+from vllm_kv_cache_limit.logic import startup_lock
 
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from vllm_kv_cache_limit import startup_lock
+    from vllm_kv_cache_limit.logic import startup_lock
     held = startup_lock.acquire([(sys.argv[2], "test device")], folder=sys.argv[1], timeout=0)
     print("HELD" if held.held else "NOT HELD", flush=True)
     time.sleep(float(sys.argv[3]))

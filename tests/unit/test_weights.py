@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from vllm_kv_cache_limit.weights import weight_bytes_lower_bound
+from vllm_kv_cache_limit.logic.weights import weight_bytes_lower_bound
 
 
 def test_bytes_at_the_load_dtype(tmp_path: Path) -> None:

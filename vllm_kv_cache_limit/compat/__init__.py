@@ -2,8 +2,8 @@
 
 * ``entries``: :class:`Hook` (a function wrapped or called) and
   :class:`Attribute` (an attribute relied on);
-* ``registry``: every hook, declared beside its wrapper in ``patches`` and
-  ``resizing``; ``attributes``: every attribute; ``planner``: what
+* ``registry``: every hook, declared beside its wrapper in ``hooks.cap`` and
+  ``hooks.runtime``; ``attributes``: every attribute; ``planner``: what
   ``vllm-kv-plan`` calls;
 * ``live``: the checks against the imported vLLM (at start-up, when a cap is
   set); ``source_check``: the same against a vLLM source tree without

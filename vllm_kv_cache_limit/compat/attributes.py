@@ -285,13 +285,13 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         ("vllm.v1.engine.core",),
         "EngineCoreProc",
         "input_queue",
-        "`autoscaling.start_waking`: the queue an idle engine core blocks on, woken with vLLM's own `WAKEUP`",
+        "`autoscaler.start_waking`: the queue an idle engine core blocks on, woken with vLLM's own `WAKEUP`",
     ),
     Attribute(
         ("vllm.v1.engine",),
         "EngineCoreRequestType",
         "WAKEUP",
-        "`autoscaling.start_waking`: the request type an engine core takes off its input queue and ignores",
+        "`autoscaler.start_waking`: the request type an engine core takes off its input queue and ignores",
     ),
     Attribute(("vllm.entrypoints.llm",), "LLM", "llm_engine", _RESIZE_CLIENT),
     Attribute(("vllm.v1.engine.llm_engine",), "LLMEngine", "engine_core", _RESIZE_CLIENT),
@@ -318,6 +318,6 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         "rather than serve the routes without the key)",
     ),
 )
-"""Attributes run-time resizing (``resizing``) reads or writes. As
+"""Attributes run-time resizing (``hooks.runtime``) reads or writes. As
 ``RESIZE_HOOKS``, optional: where one is missing, resizing refuses naming
-it (``resizing.availability.require_hooks``) and start-up is not affected."""
+it (``hooks.runtime.availability.require_hooks``) and start-up is not affected."""

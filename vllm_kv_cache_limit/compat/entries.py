@@ -24,7 +24,7 @@ class Hook:
     """PEP 440 specifier of the vLLM releases that have it; empty: all."""
     wrapper: Callable[..., Any] | None = None
     """The plugin function that wraps it, declared beside this entry in the
-    module of ``patches`` or ``resizing`` named after the vLLM module it
+    module of ``hooks.cap`` or ``hooks.runtime`` named after the vLLM module it
     patches; None: only called."""
     upstream: str = ""
     """The vLLM change that would retire the wrapper, or "none yet" and why."""
@@ -41,7 +41,7 @@ class Hook:
 
     @property
     def wrapper_name(self) -> str:
-        """Where the wrapper is, as ``patches.module.function``; empty: none."""
+        """Where the wrapper is, as ``hooks.cap.module.function``; empty: none."""
         if self.wrapper is None:
             return ""
         return f"{self.wrapper.__module__.removeprefix('vllm_kv_cache_limit.')}.{self.wrapper.__name__}"

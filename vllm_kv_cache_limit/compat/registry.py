@@ -1,5 +1,5 @@
 """One registry of every hook: each is declared once, beside its wrapper, in
-the module of ``patches`` (the cap) or ``resizing`` (run-time resize) named
+the module of ``hooks.cap`` (the cap) or ``hooks.runtime`` (run-time resize) named
 after the vLLM module it patches, as that module's ``HOOKS``; the module's
 ``TARGETS`` says which vLLM module's import runs which of its ``patch``
 functions. The start-up checks, ``make check-hooks``, the generated docs
@@ -21,22 +21,22 @@ if TYPE_CHECKING:
     from vllm_kv_cache_limit.compat.entries import Hook
 
 CAP_MODULES = (
-    "patches.arg_utils",
-    "patches.engine_core",
-    "patches.engine_utils",
-    "patches.compilation",
-    "patches.gpu_worker",
-    "patches.cpu_worker",
-    "patches.devices",
-    "patches.ranks",
+    "hooks.cap.arg_utils",
+    "hooks.cap.engine_core",
+    "hooks.cap.engine_utils",
+    "hooks.cap.compilation",
+    "hooks.cap.gpu_worker",
+    "hooks.cap.cpu_worker",
+    "hooks.devices",
+    "hooks.cap.ranks",
 )
 """The modules of the cap's hooks (a failing one stops a capped start-up)."""
 RESIZE_MODULES = (
-    "resizing.block_pool",
-    "resizing.engine_core",
-    "resizing.worker",
-    "resizing.client",
-    "resizing.server",
+    "hooks.runtime.block_pool",
+    "hooks.runtime.engine_core",
+    "hooks.runtime.worker",
+    "hooks.runtime.client",
+    "hooks.runtime.server",
 )
 """The modules of run-time resize's hooks (optional: one that does not fit
 makes resizing refuse, never start-up)."""

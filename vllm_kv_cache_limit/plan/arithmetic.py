@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_kv_cache_limit.logic.cap_decision import FLAG
+from vllm_kv_cache_limit.logic.limit_math import NULL_BLOCKS as NULL_BLOCKS  # one definition, re-exported
+from vllm_kv_cache_limit.logic.sizes import format_size, parse_size
 from vllm_kv_cache_limit.plan.errors import PlanError
-from vllm_kv_cache_limit.policy import FLAG
-from vllm_kv_cache_limit.resize import NULL_BLOCKS as NULL_BLOCKS  # one definition, re-exported
-from vllm_kv_cache_limit.sizes import format_size, parse_size
 
 PROBE_BYTES = 1 << 50
 """Memory handed to vLLM's planning to read the block size in bytes: only

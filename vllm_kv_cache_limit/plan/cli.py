@@ -18,12 +18,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from vllm_kv_cache_limit.logic.cap_decision import FLAG
+from vllm_kv_cache_limit.logic.sizes import argparse_size, parse_count
 from vllm_kv_cache_limit.plan.arithmetic import make_plan
 from vllm_kv_cache_limit.plan.errors import EXIT_ERROR, PROG, PlanError, first_line
 from vllm_kv_cache_limit.plan.introspect import check_choices, check_model_source, load_model_kv_cache, quiet_vllm
 from vllm_kv_cache_limit.plan.report import as_json, format_human
-from vllm_kv_cache_limit.policy import FLAG
-from vllm_kv_cache_limit.sizes import argparse_size, parse_count
 
 
 def _positive_int(name: str) -> Callable[[str], int]:

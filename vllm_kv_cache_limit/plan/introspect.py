@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kv_cache_limit import compat
+from vllm_kv_cache_limit.logic.cap_decision import ENV_VAR
+from vllm_kv_cache_limit.logic.sizes import format_size
 from vllm_kv_cache_limit.plan.arithmetic import NULL_BLOCKS, PROBE_BYTES, ModelKVCache
 from vllm_kv_cache_limit.plan.errors import PROG, PlanError, first_line
 from vllm_kv_cache_limit.plan.recipes import EXACT_ARCHITECTURES, _dtype_name, _kv_cache_dtype_name, _Recipe
-from vllm_kv_cache_limit.policy import ENV_VAR
-from vllm_kv_cache_limit.sizes import format_size
 
 
 def _vllm_function(qualname: str) -> Callable[..., Any]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_kv_cache_limit.logic.cap_decision import FLAG
+from vllm_kv_cache_limit.logic.sizes import format_size
 from vllm_kv_cache_limit.plan.arithmetic import NULL_BLOCKS, KVCachePlan, bytes_per_token, capacity
-from vllm_kv_cache_limit.policy import FLAG
-from vllm_kv_cache_limit.sizes import format_size
 
 
 def as_json(plan: KVCachePlan) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from vllm_kv_cache_limit.logic.sizes import format_size, parse_size
 from vllm_kv_cache_limit.plan import (
     NULL_BLOCKS,
     PlanError,
@@ -19,7 +20,6 @@ from vllm_kv_cache_limit.plan import (
     required_blocks,
     suggest_cap,
 )
-from vllm_kv_cache_limit.sizes import format_size, parse_size
 
 
 def test_arithmetic_imports_neither_vllm_nor_torch() -> None:

@@ -14,8 +14,8 @@ import pytest
 
 from tests.unit.plan.conftest import ATTENTION, BF16, CPU_BLOCK, fails, plan_json
 from vllm_kv_cache_limit import compat
+from vllm_kv_cache_limit.logic.sizes import format_size, parse_size
 from vllm_kv_cache_limit.plan import introspect, main
-from vllm_kv_cache_limit.sizes import format_size, parse_size
 
 
 def test_vllm_functions_called_are_the_planner_apis() -> None:

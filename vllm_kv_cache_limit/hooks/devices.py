@@ -15,11 +15,11 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.policy import (
+from vllm_kv_cache_limit.logic.cap_decision import (
     check_cap_fits_before_load,
     kv_bytes_before_load,
 )
-from vllm_kv_cache_limit.weights import weight_bytes_lower_bound
+from vllm_kv_cache_limit.logic.weights import weight_bytes_lower_bound
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")

@@ -2,7 +2,7 @@
 cache budget, ``kv_cache_memory_bytes`` and ``num_gpu_blocks_override``, and
 the checks against the device's memory.
 
-Pure logic: no vLLM import. The vLLM glue in ``patches`` calls these functions
+Pure logic: no vLLM import. The vLLM glue in ``hooks.cap`` calls these functions
 with numbers it read from vLLM and turns their messages into log lines and
 errors.
 """
@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from vllm_kv_cache_limit import envs
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError as KVCacheMaxMemoryError  # re-exported
-from vllm_kv_cache_limit.sizes import format_gib, format_size, parse_size
+from vllm_kv_cache_limit.logic import envs
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError as KVCacheMaxMemoryError  # re-exported
+from vllm_kv_cache_limit.logic.sizes import format_gib, format_size, parse_size
 
 __all__ = [
     "CAP_TOLERANCE",

@@ -9,18 +9,19 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from vllm_kv_cache_limit import compat, envs
+from vllm_kv_cache_limit import compat
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
-from vllm_kv_cache_limit.patches import ranks
-from vllm_kv_cache_limit.patches.apply import hook_ok
-from vllm_kv_cache_limit.patches.devices import cuda_free_memory
-from vllm_kv_cache_limit.patches.worker_gate import Gate, check_cap_fits_instance, log_gate
-from vllm_kv_cache_limit.patches.wrap import wrap
-from vllm_kv_cache_limit.policy import (
+from vllm_kv_cache_limit.hooks.apply import hook_ok
+from vllm_kv_cache_limit.hooks.cap import ranks
+from vllm_kv_cache_limit.hooks.cap.worker_gate import Gate, check_cap_fits_instance, log_gate
+from vllm_kv_cache_limit.hooks.devices import cuda_free_memory
+from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic import envs
+from vllm_kv_cache_limit.logic.cap_decision import (
     utilization_ceiling,
 )
-from vllm_kv_cache_limit.relay import raise_cap_error
+from vllm_kv_cache_limit.logic.relay import raise_cap_error
 
 
 def patch(module: Any) -> None:

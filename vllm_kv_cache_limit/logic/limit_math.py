@@ -5,7 +5,7 @@ one) is the most a run-time limit can reach. Within it the limit is a block
 count: blocks ``[0, limit)`` stay usable (block 0 is vLLM's null block, as in
 its own ``num_gpu_blocks``), blocks ``[limit, allocated)`` are withheld from
 the scheduler and, once none is in use, their pages are returned to the OS.
-The vLLM glue is in ``resizing``.
+The vLLM glue is in ``hooks.runtime``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kv_cache_limit.errors import KVCacheResizeError
-from vllm_kv_cache_limit.errors import KVCacheResizeFailed as KVCacheResizeFailed  # re-exported
-from vllm_kv_cache_limit.sizes import format_size, parse_size
+from vllm_kv_cache_limit.logic.errors import KVCacheResizeError
+from vllm_kv_cache_limit.logic.errors import KVCacheResizeFailed as KVCacheResizeFailed  # re-exported
+from vllm_kv_cache_limit.logic.sizes import format_size, parse_size
 
 MODES = ("drain", "preempt")
 """``drain``: blocks above a lowered limit are withheld as the requests that

@@ -10,23 +10,24 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kv_cache_limit import compat, startup_lock
+from vllm_kv_cache_limit import compat
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
-from vllm_kv_cache_limit.kv_cache import backing_bytes
-from vllm_kv_cache_limit.patches.apply import hook_ok, name_cap_when_refused
-from vllm_kv_cache_limit.patches.devices import instance_devices
-from vllm_kv_cache_limit.patches.wrap import wrap
-from vllm_kv_cache_limit.policy import (
+from vllm_kv_cache_limit.hooks.apply import hook_ok, name_cap_when_refused
+from vllm_kv_cache_limit.hooks.devices import instance_devices
+from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic import startup_lock
+from vllm_kv_cache_limit.logic.cap_decision import (
     CapDecision,
     auto_fit_message,
     cap_block_override,
     cap_error_message,
     too_small_message,
 )
-from vllm_kv_cache_limit.relay import relay_cap_error
-from vllm_kv_cache_limit.sizes import format_gib, format_size
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic.kv_cache import backing_bytes
+from vllm_kv_cache_limit.logic.relay import relay_cap_error
+from vllm_kv_cache_limit.logic.sizes import format_gib, format_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -105,7 +106,7 @@ def _hold_startup_lock(original: Callable) -> Callable:
 
 
 AUTOSCALE_START = "kv_cache_limit_autoscale_start"
-"""The ``EngineCore`` method run-time resize adds (``resizing.engine_core``)
+"""The ``EngineCore`` method run-time resize adds (``hooks.runtime.engine_core``)
 that starts autoscaling; called by name, as vLLM's clients call its
 utility methods, since the cap's hooks do not import resizing."""
 

@@ -16,7 +16,7 @@ is opened with ``O_NOFOLLOW | O_DIRECTORY`` and each file with ``O_NOFOLLOW``
 relative to it, so a planted symbolic link can redirect neither; a folder
 whose entries others may rename is refused (``shared_folder``).
 
-No vLLM import here: the vLLM glue in ``patches.devices`` names the devices.
+No vLLM import here: the vLLM glue in ``hooks.devices`` names the devices.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from vllm_kv_cache_limit import envs
-from vllm_kv_cache_limit.shared_folder import LockSetupError, open_folder
+from vllm_kv_cache_limit.logic import envs
+from vllm_kv_cache_limit.logic.shared_folder import LockSetupError, open_folder
 
 logger = logging.getLogger("vllm.plugins.kv_cache_limit")
 

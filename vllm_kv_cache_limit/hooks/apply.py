@@ -12,12 +12,13 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kv_cache_limit import compat, envs
+from vllm_kv_cache_limit import compat
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.policy import (
+from vllm_kv_cache_limit.logic import envs
+from vllm_kv_cache_limit.logic.cap_decision import (
     FLAG,
 )
-from vllm_kv_cache_limit.relay import raise_cap_error
+from vllm_kv_cache_limit.logic.relay import raise_cap_error
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")

@@ -6,10 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
-from vllm_kv_cache_limit.patches.apply import hook_ok
-from vllm_kv_cache_limit.patches.wrap import wrap
-from vllm_kv_cache_limit.relay import take_relayed_error
+from vllm_kv_cache_limit.hooks.apply import hook_ok
+from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic.relay import take_relayed_error
 
 
 def patch(module: Any) -> None:

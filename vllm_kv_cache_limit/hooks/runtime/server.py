@@ -12,10 +12,10 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.errors import KVCacheResizeError, KVCacheResizeFailed
-from vllm_kv_cache_limit.patches.wrap import wrap
-from vllm_kv_cache_limit.resizing.availability import optional
-from vllm_kv_cache_limit.resizing.client import async_kv_cache_limit_status, async_set_kv_cache_max_memory
+from vllm_kv_cache_limit.hooks.runtime.availability import optional
+from vllm_kv_cache_limit.hooks.runtime.client import async_kv_cache_limit_status, async_set_kv_cache_max_memory
+from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic.errors import KVCacheResizeError, KVCacheResizeFailed
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")

@@ -10,15 +10,16 @@ from typing import Any
 from vllm_kv_cache_limit import compat
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
-from vllm_kv_cache_limit.kv_cache import rss_bytes
-from vllm_kv_cache_limit.patches import devices, ranks
-from vllm_kv_cache_limit.patches.apply import hook_ok
-from vllm_kv_cache_limit.patches.devices import cpu_free_memory, cpu_memory_node, cpu_node_memory
-from vllm_kv_cache_limit.patches.worker_gate import Gate, check_cap_fits_instance, cpu_gate_slack, gate_of, log_gate
-from vllm_kv_cache_limit.patches.wrap import wrap
-from vllm_kv_cache_limit.policy import (
+from vllm_kv_cache_limit.hooks import devices
+from vllm_kv_cache_limit.hooks.apply import hook_ok
+from vllm_kv_cache_limit.hooks.cap import ranks
+from vllm_kv_cache_limit.hooks.cap.worker_gate import Gate, check_cap_fits_instance, cpu_gate_slack, gate_of, log_gate
+from vllm_kv_cache_limit.hooks.devices import cpu_free_memory, cpu_memory_node, cpu_node_memory
+from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic.cap_decision import (
     utilization_ceiling,
 )
+from vllm_kv_cache_limit.logic.kv_cache import rss_bytes
 
 
 def patch(module: Any) -> None:

@@ -11,10 +11,10 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kv_cache_limit import resize
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.kv_cache import kv_cache_tensors, rss_bytes, worker_kv_cache_bytes
-from vllm_kv_cache_limit.resizing.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional
+from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional
+from vllm_kv_cache_limit.logic import limit_math
+from vllm_kv_cache_limit.logic.kv_cache import kv_cache_tensors, rss_bytes, worker_kv_cache_bytes
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -47,8 +47,8 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -
             return 0
         stride = view.stride(0) * view.element_size()
         block_bytes = view[0].numel() * view.element_size()
-        spans += resize.block_spans(view.data_ptr(), stride, block_bytes, keep, num_blocks)
-    ranges = resize.page_ranges(spans, mmap.PAGESIZE)
+        spans += limit_math.block_spans(view.data_ptr(), stride, block_bytes, keep, num_blocks)
+    ranges = limit_math.page_ranges(spans, mmap.PAGESIZE)
     if release:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)

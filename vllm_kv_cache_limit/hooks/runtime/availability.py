@@ -11,7 +11,7 @@ from vllm.logger import init_logger
 
 from vllm_kv_cache_limit import compat
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.errors import KVCacheResizeError
+from vllm_kv_cache_limit.logic.errors import KVCacheResizeError
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")

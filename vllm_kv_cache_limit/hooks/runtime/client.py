@@ -15,19 +15,19 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kv_cache_limit import resize
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.errors import KVCacheResizeError, KVCacheResizeFailed
-from vllm_kv_cache_limit.patches.wrap import wrap
-from vllm_kv_cache_limit.resizing.autoscaling import ENGINE_LOCK
-from vllm_kv_cache_limit.resizing.availability import (
+from vllm_kv_cache_limit.hooks.runtime.autoscaler import ENGINE_LOCK
+from vllm_kv_cache_limit.hooks.runtime.availability import (
     RESIZE_REMOVE,
     RESIZE_UPSTREAM,
     optional,
     problem_of,
     require_hooks,
 )
-from vllm_kv_cache_limit.sizes import format_size
+from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic import limit_math
+from vllm_kv_cache_limit.logic.errors import KVCacheResizeError, KVCacheResizeFailed
+from vllm_kv_cache_limit.logic.sizes import format_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -75,12 +75,12 @@ async def _call_async(engine: Any, method: str, *args: Any) -> dict[str, Any]:
 
     before = [_checked(s) for s in await each("kv_cache_limit_status")] if method == "kv_cache_limit_set" else []
     replies = await each(method, *args)
-    restore = resize.restore_targets(before, replies) if before else []
+    restore = limit_math.restore_targets(before, replies) if before else []
     if restore:
         # Refused or failed on some engine cores: those that took the change
         # go back to the limit they had, so the engine keeps one limit.
         await asyncio.gather(*(_restore(client, engines, *target) for target in restore))
-        refused = [index for index, reply in enumerate(replies) if resize.is_error(reply)]
+        refused = [index for index, reply in enumerate(replies) if limit_math.is_error(reply)]
         worst = max((replies[index] for index in refused), key=lambda reply: bool(reply.get("failed")))
         raise _exception(
             {
@@ -89,12 +89,12 @@ async def _call_async(engine: Any, method: str, *args: Any) -> dict[str, Any]:
                 "the others were set back to the limit they had)",
             }
         )
-    return resize.merged([_checked(reply) for reply in replies])
+    return limit_math.merged([_checked(reply) for reply in replies])
 
 
 async def _restore(client: Any, engines: list[Any], index: int, size: int, mode: str) -> None:
     reply = await client._call_utility_async("kv_cache_limit_set", size, mode, engine=engines[index])
-    if resize.is_error(reply):
+    if limit_math.is_error(reply):
         logger.warning(
             "Data-parallel engine core %d took the KV cache limit change and could not be set back to %s: %s",
             index,
@@ -104,7 +104,7 @@ async def _restore(client: Any, engines: list[Any], index: int, size: int, mode:
 
 
 def _checked(result: Any) -> dict[str, Any]:
-    if resize.is_error(result):
+    if limit_math.is_error(result):
         raise _exception(result)
     return dict(result)
 
@@ -115,7 +115,7 @@ def _exception(reply: dict[str, Any]) -> KVCacheResizeError:
 
 
 def _arguments(size: object, mode: object, timeout_s: object) -> tuple[int, str, float]:
-    return resize.parse_target(size), resize.parse_mode(mode), resize.parse_timeout(timeout_s)
+    return limit_math.parse_target(size), limit_math.parse_mode(mode), limit_math.parse_timeout(timeout_s)
 
 
 def set_kv_cache_max_memory(llm: Any, size: int | str, mode: str = "drain", timeout_s: float = 60.0) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 read from the scheduler, its limit set through run-time resize, its share of
 a device's budget kept in the ledger (``budget``). The decisions are in
 ``autoscale``; the hooks that call :meth:`Autoscaler.tick` between steps and
-on the engine core's input queue are in ``resizing.engine_core``.
+on the engine core's input queue are in ``hooks.runtime.engine_core``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kv_cache_limit import autoscale, resize, startup_lock
-from vllm_kv_cache_limit.autoscale import Scaler, Share
-from vllm_kv_cache_limit.budget import Ledger, LedgerBusy, View
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError, KVCacheResizeError
-from vllm_kv_cache_limit.resize import Allocation
-from vllm_kv_cache_limit.sizes import format_size
+from vllm_kv_cache_limit.logic import autoscale_policy, limit_math, startup_lock
+from vllm_kv_cache_limit.logic.autoscale_policy import Scaler, Share
+from vllm_kv_cache_limit.logic.budget_ledger import Ledger, LedgerBusy, View
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError, KVCacheResizeError
+from vllm_kv_cache_limit.logic.limit_math import Allocation
+from vllm_kv_cache_limit.logic.sizes import format_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -87,7 +87,7 @@ class Autoscaler:
     ceiling: int
     """Blocks: the start-up allocation, or the last manual resize."""
     set_limit: Callable[[Any, int, str], dict[str, Any]]
-    """Sets the engine core's limit (``resizing.engine_core._set_limit``)."""
+    """Sets the engine core's limit (``hooks.runtime.engine_core._set_limit``)."""
     group_caps: list[tuple[int, int]]
     """Per KV cache group: tokens per block, and the most blocks one request needs."""
     max_model_len: int
@@ -158,7 +158,7 @@ class Autoscaler:
         now = time.monotonic() if now is None else now
         try:
             demand = self.read_demand(engine_core.scheduler)
-            rose = demand > self.demand and demand + resize.NULL_BLOCKS > pool_limit.limit
+            rose = demand > self.demand and demand + limit_math.NULL_BLOCKS > pool_limit.limit
             if now - self.last_tick < TICK_S and not rose:
                 return
             self.last_tick = now
@@ -212,7 +212,7 @@ class Autoscaler:
         """Set the limit; whether it was set."""
         bpb = self.allocation.bytes_per_block
         reply = self.set_limit(engine_core, new * bpb, "drain")
-        if resize.is_error(reply):
+        if limit_math.is_error(reply):
             logger.warning("KV cache autoscaling could not set the limit to %d blocks: %s", new, reply["error"])
             return False
         self.changes += 1
@@ -286,11 +286,11 @@ class Autoscaler:
                 self.held = limit
             me, others = self._shares(self.held)
             if new is not None and new > limit:
-                granted = autoscale.grant(me, others, self.budget) // unit
+                granted = autoscale_policy.grant(me, others, self.budget) // unit
                 new = min(new, granted) if granted > limit else None
             gave = False
             if new is None or new <= limit:
-                back = autoscale.give_back(me, others, self.budget)
+                back = autoscale_policy.give_back(me, others, self.budget)
                 if back is not None and max(self.floor, back // unit) < min(new or limit, limit):
                     self.scaler.below_since = None
                     new, gave = max(self.floor, back // unit), True
@@ -361,9 +361,9 @@ def floor_blocks(min_memory: int | None, allocation: Allocation) -> int:
     request of ``max_model_len``; refused as resize refuses a limit that
     cannot hold one request, or above the start-up allocation."""
     if min_memory is None:
-        return allocation.blocks_per_request + resize.NULL_BLOCKS
+        return allocation.blocks_per_request + limit_math.NULL_BLOCKS
     try:
-        return resize.limit_for(min_memory, allocation)
+        return limit_math.limit_for(min_memory, allocation)
     except KVCacheResizeError as exc:
         raise KVCacheMaxMemoryError(f"--kv-cache-min-memory {format_size(min_memory)} is refused: {exc}") from None
 
@@ -430,7 +430,7 @@ def _check_others(
                 f"gave for {where}; every instance sharing a device must give the same budget."
             )
     floors = [int(o["floor"]) for o in others]
-    if not autoscale.fits_floors(floor, floors, total):
+    if not autoscale_policy.fits_floors(floor, floors, total):
         least = floor + sum(floors)
         mine = f"this one's {format_size(floor)}" + (" (its workers' floors on the device together)" if workers else "")
         theirs = (
@@ -464,7 +464,7 @@ def start_waking(engine_core: Any, scaler: Autoscaler, wakeup: Any) -> threading
 
 ENGINE_LOCK = "_kvcl_lock"
 """The attribute of an in-process engine core holding its autoscaling lock:
-held by every call the client makes into it (``resizing.client``), and by
+held by every call the client makes into it (``hooks.runtime.client``), and by
 a decision its timer takes (``start_deciding``)."""
 
 

@@ -14,8 +14,8 @@ import os
 import shutil
 import tempfile
 
-from vllm_kv_cache_limit import envs
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic import envs
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 
 
 def raise_cap_error(message: str) -> None:

@@ -33,8 +33,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kv_cache_limit.shared_folder import LockSetupError, open_folder
-from vllm_kv_cache_limit.startup_lock import LOCK_DIR_ADVICE, holder_label, lock_name, open_lock_folder
+from vllm_kv_cache_limit.logic.shared_folder import LockSetupError, open_folder
+from vllm_kv_cache_limit.logic.startup_lock import LOCK_DIR_ADVICE, holder_label, lock_name, open_lock_folder
 
 LEDGER_LOCK = "ledger.lock"
 ENTRY_SUFFIX = ".entry"

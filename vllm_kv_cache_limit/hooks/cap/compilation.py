@@ -6,11 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.kv_cache import bytes_per_block
-from vllm_kv_cache_limit.patches.apply import hook_ok, name_cap_when_refused
-from vllm_kv_cache_limit.patches.worker_gate import cap_decision_of
-from vllm_kv_cache_limit.patches.wrap import wrap
-from vllm_kv_cache_limit.policy import mamba_blocks_message
+from vllm_kv_cache_limit.hooks.apply import hook_ok, name_cap_when_refused
+from vllm_kv_cache_limit.hooks.cap.worker_gate import cap_decision_of
+from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic.cap_decision import mamba_blocks_message
+from vllm_kv_cache_limit.logic.kv_cache import bytes_per_block
 
 
 def patch(module: Any) -> None:

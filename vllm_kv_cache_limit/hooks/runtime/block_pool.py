@@ -7,11 +7,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vllm_kv_cache_limit import resize
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.patches.wrap import wrap
-from vllm_kv_cache_limit.resize import Allocation
-from vllm_kv_cache_limit.resizing.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional
+from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional
+from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic import limit_math
+from vllm_kv_cache_limit.logic.limit_math import Allocation
 
 
 @dataclasses.dataclass
@@ -103,7 +103,7 @@ def _usage_under_limit(original: Callable) -> Callable:
         limit: Limit | None = getattr(self, "_kvcl_limit", None)
         if limit is None:
             return original(self)
-        usable = limit.limit - resize.NULL_BLOCKS
+        usable = limit.limit - limit_math.NULL_BLOCKS
         if usable <= 0:
             return 0.0
         return min(1.0, max(0.0, 1.0 - self.get_num_free_blocks() / usable))
@@ -145,7 +145,7 @@ BLOCK_POOL_MAYBE_EVICT_CACHED_BLOCK = Hook(
 FREE_BLOCK_QUEUE_REMOVE = Hook(("vllm.v1.core.kv_cache_utils",), "FreeKVCacheBlockQueue.remove", ("self", "block"))
 
 # Called, not wrapped: the free blocks, every step under a limit (``get_usage``)
-# and in the status (``resizing.engine_core._kv_cache_limit_status``).
+# and in the status (``hooks.runtime.engine_core._kv_cache_limit_status``).
 BLOCK_POOL_GET_NUM_FREE_BLOCKS = Hook(("vllm.v1.core.block_pool",), "BlockPool.get_num_free_blocks", ("self",))
 
 HOOKS = (

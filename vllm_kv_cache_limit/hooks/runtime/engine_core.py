@@ -13,18 +13,19 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kv_cache_limit import compat, resize
-from vllm_kv_cache_limit.autoscale import Policy, Scaler, device_bytes_per_block, shrink_after_s
+from vllm_kv_cache_limit import compat
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError, KVCacheResizeError
-from vllm_kv_cache_limit.patches.devices import instance_devices
-from vllm_kv_cache_limit.patches.wrap import wrap
-from vllm_kv_cache_limit.resize import Allocation
-from vllm_kv_cache_limit.resizing import autoscaling
-from vllm_kv_cache_limit.resizing.autoscaling import Autoscaler
-from vllm_kv_cache_limit.resizing.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional, require_hooks
-from vllm_kv_cache_limit.resizing.block_pool import Limit
-from vllm_kv_cache_limit.sizes import format_size
+from vllm_kv_cache_limit.hooks.devices import instance_devices
+from vllm_kv_cache_limit.hooks.runtime import autoscaler
+from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
+from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional, require_hooks
+from vllm_kv_cache_limit.hooks.runtime.block_pool import Limit
+from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic import limit_math
+from vllm_kv_cache_limit.logic.autoscale_policy import Policy, Scaler, device_bytes_per_block, shrink_after_s
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError, KVCacheResizeError
+from vllm_kv_cache_limit.logic.limit_math import Allocation
+from vllm_kv_cache_limit.logic.sizes import format_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -130,7 +131,7 @@ def _leave_budget(engine_core: Any, scaler: Autoscaler) -> bool:
     its ledger's descriptors (it may still write through them), and the
     timer closes them as it ends."""
     scaler.stop.set()
-    lock = getattr(engine_core, autoscaling.ENGINE_LOCK, None)
+    lock = getattr(engine_core, autoscaler.ENGINE_LOCK, None)
     if lock is None:
         scaler.close()
         return True
@@ -244,8 +245,8 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
         return _set_limit(self, nbytes, mode)
     try:
         require_hooks()
-        mode = resize.parse_mode(mode)
-        ceiling = resize.limit_for(int(nbytes), scaler.allocation)
+        mode = limit_math.parse_mode(mode)
+        ceiling = limit_math.limit_for(int(nbytes), scaler.allocation)
         if ceiling < scaler.floor:
             floor = scaler.floor * scaler.allocation.bytes_per_block
             raise KVCacheResizeError(
@@ -260,7 +261,7 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
         # The limit first: refused or failed, the ceiling stays as it was
         # (all of the change or none of it).
         reply = _set_limit(self, ceiling * scaler.allocation.bytes_per_block, mode)
-        if resize.is_error(reply):
+        if limit_math.is_error(reply):
             return reply
     scaler.ceiling = ceiling
     logger.info(
@@ -276,11 +277,11 @@ def _set_limit(self: Any, nbytes: int, mode: str, log: bool = True) -> dict[str,
     without autoscaling); the autoscaler logs its own line (``log=False``)."""
     try:
         require_hooks()
-        mode = resize.parse_mode(mode)
+        mode = limit_math.parse_mode(mode)
         pool = _pool(self)
         state: Limit | None = getattr(pool, "_kvcl_limit", None)
         allocation = state.allocation if state else _allocation(self)
-        new = resize.limit_for(int(nbytes), allocation)
+        new = limit_math.limit_for(int(nbytes), allocation)
     except KVCacheResizeError as exc:
         return {"error": str(exc)}
     if state is None:
@@ -411,9 +412,9 @@ def _kv_cache_limit_status(self: Any) -> dict[str, Any]:
         state = Limit(allocation=allocation, limit=allocation.num_blocks, requested=allocation.nbytes)
     num_blocks = state.allocation.num_blocks
     free = pool.get_num_free_blocks()
-    in_use = num_blocks - resize.NULL_BLOCKS - free - len(state.withheld)
+    in_use = num_blocks - limit_math.NULL_BLOCKS - free - len(state.withheld)
     above = sum(1 for block in pool.blocks[state.limit :] if block.ref_cnt > 0 and not block.is_null)
-    status = resize.status(
+    status = limit_math.status(
         state.allocation, state.limit, state.requested, state.mode, in_use, above, state.released_bytes
     )
     scaler: Autoscaler | None = getattr(self, "_kvcl_autoscaler", None)
@@ -428,14 +429,14 @@ def _autoscale_start(self: Any) -> None:
     the next instance's start-up measures memory without them."""
     vllm_config = self.vllm_config
     cache_config = vllm_config.cache_config
-    if not getattr(cache_config, autoscaling.AUTOSCALE, False):
+    if not getattr(cache_config, autoscaler.AUTOSCALE, False):
         return
     try:
         require_hooks()
     except KVCacheResizeError as exc:
         raise KVCacheMaxMemoryError(f"--kv-cache-autoscale cannot work in this vLLM: {exc}") from None
     allocation = _allocation(self)
-    floor = autoscaling.floor_blocks(getattr(cache_config, autoscaling.MIN_MEMORY), allocation)
+    floor = autoscaler.floor_blocks(getattr(cache_config, autoscaler.MIN_MEMORY), allocation)
     groups = []
     for group in self.scheduler.kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -447,7 +448,7 @@ def _autoscale_start(self: Any) -> None:
         set_limit=functools.partial(_set_limit, log=False),
         group_caps=groups,
         max_model_len=allocation.max_model_len,
-        budget=getattr(cache_config, autoscaling.SHARED_BUDGET),
+        budget=getattr(cache_config, autoscaler.SHARED_BUDGET),
     )
     bpb = allocation.bytes_per_block
     if scaler.budget is not None:
@@ -456,9 +457,9 @@ def _autoscale_start(self: Any) -> None:
 
         cpu = current_platform.is_cpu()
         scaler.device_bytes_per_block = device_bytes_per_block(allocation, len(devices), workers, cpu)
-        autoscaling.join(scaler, [(d.key, d.label) for d in devices])
+        autoscaler.join(scaler, [(d.key, d.label) for d in devices])
     reply = _set_limit(self, floor * bpb, "drain", log=False)
-    if resize.is_error(reply):
+    if limit_math.is_error(reply):
         scaler.close()
         raise KVCacheMaxMemoryError(f"--kv-cache-autoscale could not set the limit to its floor: {reply['error']}")
     scaler.held = floor
@@ -480,11 +481,11 @@ def _autoscale_start(self: Any) -> None:
     from vllm.v1.engine.core import EngineCoreProc
 
     if isinstance(self, EngineCoreProc):  # an idle engine core blocks on its input queue: wake it
-        autoscaling.start_waking(self, scaler, EngineCoreRequestType.WAKEUP)
+        autoscaler.start_waking(self, scaler, EngineCoreRequestType.WAKEUP)
     else:  # in the caller's process: it steps only while the caller calls it
         lock = threading.RLock()
-        setattr(self, autoscaling.ENGINE_LOCK, lock)
-        autoscaling.start_deciding(scaler, lock, functools.partial(_decide_between_calls, self))
+        setattr(self, autoscaler.ENGINE_LOCK, lock)
+        autoscaler.start_deciding(scaler, lock, functools.partial(_decide_between_calls, self))
 
 
 def _decide_between_calls(engine_core: Any) -> None:

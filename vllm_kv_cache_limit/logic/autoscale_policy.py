@@ -25,7 +25,7 @@ proportion to its wish (never below its floor); one holding more than its
 entitlement gives the rest back in drain mode, at once, so that idle
 instances (small wishes) give first.
 
-The vLLM glue is in ``resizing.autoscaling``.
+The vLLM glue is in ``hooks.runtime.autoscaler``.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vllm_kv_cache_limit import envs
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
-from vllm_kv_cache_limit.resize import NULL_BLOCKS, Allocation
-from vllm_kv_cache_limit.sizes import format_size
+from vllm_kv_cache_limit.logic import envs
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic.limit_math import NULL_BLOCKS, Allocation
+from vllm_kv_cache_limit.logic.sizes import format_size
 
 HEADROOM = 0.25
 """Headroom over the demand, as a fraction of it."""

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
-from vllm_kv_cache_limit.relay import raise_cap_error
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic.relay import raise_cap_error
 
 
 def decide_together(step: Callable[[], Any]) -> Any:

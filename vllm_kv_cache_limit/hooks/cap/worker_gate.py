@@ -12,15 +12,15 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.config import cap_of
-from vllm_kv_cache_limit.patches.ranks import decide_together
-from vllm_kv_cache_limit.policy import (
+from vllm_kv_cache_limit.hooks.cap.ranks import decide_together
+from vllm_kv_cache_limit.logic.cap_decision import (
     CAP_TOLERANCE,
     FLAG,
     CapDecision,
     check_cap_within_instance,
     check_explicit_size_within_free,
 )
-from vllm_kv_cache_limit.sizes import format_gib, format_size
+from vllm_kv_cache_limit.logic.sizes import format_gib, format_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")

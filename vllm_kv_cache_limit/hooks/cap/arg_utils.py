@@ -12,8 +12,14 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kv_cache_limit import compat, envs, startup_lock
-from vllm_kv_cache_limit.autoscale import (
+from vllm_kv_cache_limit import compat
+from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.config import AUTOSCALE_FIELDS, FIELD, KVCacheLimitConfig
+from vllm_kv_cache_limit.hooks.apply import hook_ok
+from vllm_kv_cache_limit.hooks.devices import check_fits_before_load, device_total_memory
+from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic import envs, startup_lock
+from vllm_kv_cache_limit.logic.autoscale_policy import (
     AUTOSCALE_FLAG,
     MIN_MEMORY_FLAG,
     SHARED_BUDGET_FLAG,
@@ -21,21 +27,16 @@ from vllm_kv_cache_limit.autoscale import (
     check_settings,
     shrink_after_s,
 )
-from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.config import AUTOSCALE_FIELDS, FIELD, KVCacheLimitConfig
-from vllm_kv_cache_limit.errors import KVCacheMaxMemoryError
-from vllm_kv_cache_limit.patches.apply import hook_ok
-from vllm_kv_cache_limit.patches.devices import check_fits_before_load, device_total_memory
-from vllm_kv_cache_limit.patches.wrap import wrap
-from vllm_kv_cache_limit.policy import (
+from vllm_kv_cache_limit.logic.cap_decision import (
     ENV_VAR,
     FLAG,
     cap_explicit_size,
     check_cap_within_total,
     resolve_cap,
 )
-from vllm_kv_cache_limit.relay import arm_error_relay
-from vllm_kv_cache_limit.sizes import argparse_size, parse_size
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic.relay import arm_error_relay
+from vllm_kv_cache_limit.logic.sizes import argparse_size, parse_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
