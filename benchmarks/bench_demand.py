@@ -25,13 +25,13 @@ import _common as c
 
 def autoscaler(groups: int):  # -> Autoscaler
     from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
-    from vllm_kv_cache_limit.logic.autoscale_policy import Policy, Scaler
+    from vllm_kv_cache_limit.logic.autoscale_policy import Hysteresis, Policy
     from vllm_kv_cache_limit.logic.limit_math import Allocation
 
     allocation = Allocation(num_blocks=100_000, bytes_per_block=2**16, blocks_per_request=256, max_model_len=4096)
     return Autoscaler(
         allocation=allocation,
-        scaler=Scaler(Policy(257, 256, shrink_after_s=30.0)),
+        hysteresis=Hysteresis(Policy(257, 256, shrink_after_s=30.0)),
         ceiling=allocation.num_blocks,
         set_limit=lambda *args: {},
         group_caps=[(16, 256)] * groups,

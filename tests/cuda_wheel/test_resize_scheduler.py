@@ -46,7 +46,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from tests.cuda_wheel.conftest import FakeGPU
 from vllm_kv_cache_limit.hooks.runtime import autoscaler
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
-from vllm_kv_cache_limit.hooks.runtime.block_pool import Limit
+from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState, RuntimeLimit
 from vllm_kv_cache_limit.logic import limit_math
 
 BLOCK_SIZE = 16
@@ -177,8 +177,10 @@ def _pool(core: EngineCore) -> BlockPool:
     return core.scheduler.kv_cache_manager.block_pool
 
 
-def _limit(core: EngineCore) -> Limit:
-    return _pool(core)._kvcl_limit
+def _limit(core: EngineCore) -> RuntimeLimit:
+    limit = RuntimeLimit.of(_pool(core))
+    assert limit is not None
+    return limit
 
 
 def _blocks(core: EngineCore) -> dict[str, list[int]]:
@@ -333,7 +335,7 @@ def _drain_while_a_block_above_fills(core: EngineCore) -> Request:
     """Prefix caching on, a drain to 12, and request 3 (12 tokens to
     generate) stepped until its block 12 is full: vLLM's scheduler caches a
     block as it fills, here above the limit after the drain began (what
-    ``_shrink`` evicted was cached before). Request 3, still running."""
+    ``RuntimeLimit.shrink`` evicted was cached before). Request 3, still running."""
     requests = _started(core, longer=3)
     _set(core, FILLED_LIMIT, "drain")
     filler = requests[3]
@@ -431,7 +433,8 @@ def autoscaled(fake_gpu: FakeGPU, tiny_model: str) -> Iterator[EngineCore]:
     setattr(cache_config, autoscaler.MIN_MEMORY, None)
     setattr(cache_config, autoscaler.SHARED_BUDGET, None)
     core.kv_cache_limit_autoscale_start()
-    scaler: Autoscaler = core._kvcl_autoscaler
+    scaler = EngineCoreState.of(core).autoscaler
+    assert isinstance(scaler, Autoscaler)
     scaler.stop.set()
     assert scaler.timer is not None
     scaler.timer.join(timeout=5)
@@ -453,7 +456,8 @@ def test_the_autoscalers_demand_counts_the_waiting_and_running_requests(autoscal
     (the limit then grows to hold them all), and no finished one."""
     core = autoscaled
     scheduler = core.scheduler
-    scaler: Autoscaler = core._kvcl_autoscaler
+    scaler = EngineCoreState.of(core).autoscaler
+    assert isinstance(scaler, Autoscaler)
     floor = MAX_MODEL_LEN // BLOCK_SIZE + 1
     assert _limit(core).limit == floor and scaler.floor == floor
     assert core.kv_cache_limit_status()["autoscale"]["floor_bytes"] == floor * BYTES_PER_BLOCK

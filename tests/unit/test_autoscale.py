@@ -1,5 +1,5 @@
 """The autoscaler's decisions as pure functions (``autoscale``): the target,
-the hysteresis of ``Scaler.decide``, the split of a shared budget, and the
+the hysteresis of ``Hysteresis.decide``, the split of a shared budget, and the
 settings refused before anything loads."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from vllm_kv_cache_limit.logic import envs
 from vllm_kv_cache_limit.logic.autoscale_policy import (
     DEFAULT_SHRINK_AFTER_S,
+    Hysteresis,
     Policy,
-    Scaler,
     Share,
     check_executor,
     check_settings,
@@ -62,11 +62,11 @@ def test_target_examples() -> None:
     assert POLICY.target(10_000, CEILING) == CEILING
 
 
-# --- Scaler.decide: grow ----------------------------------------------------------
+# --- Hysteresis.decide: grow ----------------------------------------------------------
 
 
 def test_grows_at_once_when_demand_exceeds_the_limit() -> None:
-    scaler = Scaler(POLICY)
+    scaler = Hysteresis(POLICY)
     # 100 blocks wanted, 50 under the limit: no waiting, straight to demand + headroom.
     assert scaler.decide(0.0, demand=100, limit=50, ceiling=CEILING) == 100 + 25 + NULL_BLOCKS
     assert scaler.below_since is None
@@ -74,30 +74,30 @@ def test_grows_at_once_when_demand_exceeds_the_limit() -> None:
 
 def test_grows_when_the_null_block_leaves_one_short() -> None:
     # The null block is not usable: a demand equal to the limit does not fit.
-    scaler = Scaler(POLICY)
+    scaler = Hysteresis(POLICY)
     assert scaler.decide(0.0, demand=50, limit=50, ceiling=CEILING) == expected_target(50)
 
 
 def test_grow_stops_at_the_ceiling() -> None:
-    scaler = Scaler(POLICY)
+    scaler = Hysteresis(POLICY)
     assert scaler.decide(0.0, demand=900, limit=100, ceiling=CEILING) == CEILING
     # Already at the ceiling: nothing more to give, the limit is kept.
     assert scaler.decide(1.0, demand=2000, limit=CEILING, ceiling=CEILING) is None
 
 
 def test_keeps_a_limit_that_holds_demand_and_headroom() -> None:
-    scaler = Scaler(POLICY)
+    scaler = Hysteresis(POLICY)
     limit = expected_target(100)
     for now in (0.0, 10.0, 100.0, 1000.0):
         assert scaler.decide(now, demand=100, limit=limit, ceiling=CEILING) is None
     assert scaler.below_since is None
 
 
-# --- Scaler.decide: shrink with hysteresis ----------------------------------------
+# --- Hysteresis.decide: shrink with hysteresis ----------------------------------------
 
 
 def test_no_shrink_before_shrink_after_s_then_shrink_to_target() -> None:
-    scaler = Scaler(POLICY)
+    scaler = Hysteresis(POLICY)
     limit, demand = 500, 40
     assert expected_target(demand) < limit  # the premise: demand is low
     assert scaler.decide(100.0, demand, limit, CEILING) is None  # starts the wait
@@ -110,7 +110,7 @@ def test_no_shrink_before_shrink_after_s_then_shrink_to_target() -> None:
 
 def test_shrink_never_goes_below_the_floor() -> None:
     policy = Policy(floor=64, blocks_per_request=8, shrink_after_s=5.0)
-    scaler = Scaler(policy)
+    scaler = Hysteresis(policy)
     assert scaler.decide(0.0, 0, 500, CEILING) is None
     assert scaler.decide(5.0, 0, 500, CEILING) == 64
     # At the floor with no demand: stays there.
@@ -120,7 +120,7 @@ def test_shrink_never_goes_below_the_floor() -> None:
 
 
 def test_shrink_goes_to_the_demand_at_the_end_of_the_wait() -> None:
-    scaler = Scaler(POLICY)
+    scaler = Hysteresis(POLICY)
     assert scaler.decide(0.0, 200, 500, CEILING) is None
     assert scaler.decide(15.0, 100, 500, CEILING) is None
     assert scaler.decide(30.0, 60, 500, CEILING) == expected_target(60)
@@ -135,7 +135,7 @@ def test_shrink_goes_to_the_demand_at_the_end_of_the_wait() -> None:
     ],
 )
 def test_a_spike_during_the_wait_resets_the_hysteresis(spike: int, why: str) -> None:
-    scaler = Scaler(POLICY)
+    scaler = Hysteresis(POLICY)
     limit, low = 500, 40
     assert scaler.decide(0.0, low, limit, CEILING) is None
     assert scaler.decide(20.0, low, limit, CEILING) is None
@@ -150,7 +150,7 @@ def test_a_spike_during_the_wait_resets_the_hysteresis(spike: int, why: str) -> 
 
 
 def test_a_limit_above_the_ceiling_falls_to_it_at_once() -> None:
-    scaler = Scaler(POLICY)
+    scaler = Hysteresis(POLICY)
     scaler.below_since = 0.0  # a wait under way
     # Whatever the demand, and without waiting.
     assert scaler.decide(1.0, demand=10, limit=900, ceiling=300) == 300
@@ -160,7 +160,7 @@ def test_a_limit_above_the_ceiling_falls_to_it_at_once() -> None:
 
 
 def test_zero_hysteresis_shrinks_on_the_second_low_tick() -> None:
-    scaler = Scaler(Policy(floor=10, blocks_per_request=4, shrink_after_s=0.0))
+    scaler = Hysteresis(Policy(floor=10, blocks_per_request=4, shrink_after_s=0.0))
     assert scaler.decide(0.0, 10, 500, CEILING) is None
     assert scaler.decide(0.0, 10, 500, CEILING) == 10 + 4 + NULL_BLOCKS
 
@@ -175,7 +175,7 @@ def test_random_decisions_stay_within_floor_and_ceiling() -> None:
             floor=rng.randint(1, 100), blocks_per_request=rng.randint(1, 32), shrink_after_s=rng.choice([0.0, 1.0, 7.5])
         )
         ceiling = rng.randint(policy.floor, 2000)
-        scaler = Scaler(policy)
+        scaler = Hysteresis(policy)
         limit = rng.randint(policy.floor, ceiling)
         now, low_since = 0.0, None
         for _ in range(40):

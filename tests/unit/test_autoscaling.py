@@ -18,8 +18,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_kv_cache_limit.hooks.runtime import autoscaler  # noqa: E402
-from vllm_kv_cache_limit.logic.autoscale_policy import Policy, Scaler  # noqa: E402
+from vllm_kv_cache_limit.hooks.runtime import autoscaler, shared_budget, wakeups  # noqa: E402
+from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState  # noqa: E402
+from vllm_kv_cache_limit.logic.autoscale_policy import Hysteresis, Policy  # noqa: E402
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError  # noqa: E402
 from vllm_kv_cache_limit.logic.limit_math import Allocation  # noqa: E402
 
@@ -75,7 +76,7 @@ def new_autoscaler(engine: Engine, budget: int | None, floor: int = 20, workers:
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=BPB, blocks_per_request=8, max_model_len=128)
     return autoscaler.Autoscaler(
         allocation=allocation,
-        scaler=Scaler(Policy(floor, allocation.blocks_per_request, shrink_after_s=1000.0)),
+        hysteresis=Hysteresis(Policy(floor, allocation.blocks_per_request, shrink_after_s=1000.0)),
         ceiling=BLOCKS,
         set_limit=engine.set_limit,
         group_caps=[(BLOCK_SIZE, 8)],
@@ -88,14 +89,14 @@ def new_autoscaler(engine: Engine, budget: int | None, floor: int = 20, workers:
 def join_refused(scaler: autoscaler.Autoscaler, folder: Path) -> str:
     """The message of the cap error joining the ledger raises."""
     with pytest.raises(KVCacheMaxMemoryError) as refused:
-        autoscaler.join(scaler, DEVICES, str(folder))
+        shared_budget.join(scaler, DEVICES, str(folder))
     return str(refused.value)
 
 
 def started(
     engine: Engine, scaler: autoscaler.Autoscaler, folder: Path, devices: list[tuple[str, str]] = DEVICES
 ) -> autoscaler.Autoscaler:
-    autoscaler.join(scaler, devices, str(folder))
+    shared_budget.join(scaler, devices, str(folder))
     engine.set_limit(engine, scaler.floor * BPB, "drain")
     scaler.held = scaler.floor
     return scaler
@@ -130,7 +131,7 @@ def test_demand_counts_each_request_to_its_max_tokens_within_max_model_len() -> 
 def test_a_grow_is_decided_at_once_and_anything_else_at_most_every_tick() -> None:
     engine = Engine()
     scaler = new_autoscaler(engine, None)
-    scaler.scaler = Scaler(Policy(20, 8, shrink_after_s=0.0))
+    scaler.hysteresis = Hysteresis(Policy(20, 8, shrink_after_s=0.0))
     engine.set_limit(engine, 20 * BPB, "drain")
     tick(engine, scaler, 100.0)
     # Three requests arrive 10 ms later: their blocks do not fit, the limit grows before the next tick is due.
@@ -153,8 +154,8 @@ def test_a_demand_held_above_the_ceiling_is_not_decided_again_before_the_tick() 
     scaler.ceiling = 30
     engine.set_limit(engine, 20 * BPB, "drain")
     decided: list[int] = []
-    original = scaler.scaler.decide
-    scaler.scaler.decide = lambda now, demand, *rest: (decided.append(demand), original(now, demand, *rest))[1]  # type: ignore[method-assign]
+    original = scaler.hysteresis.decide
+    scaler.hysteresis.decide = lambda now, demand, *rest: (decided.append(demand), original(now, demand, *rest))[1]  # type: ignore[method-assign]
     engine.requests = {str(i): Request(num_tokens=5, num_prompt_tokens=5, max_tokens=500) for i in range(8)}
     tick(engine, scaler, 100.0)
     assert engine.limit == 30 and decided == [64]
@@ -280,10 +281,10 @@ def test_shutdown_removes_the_ledger_entries_before_vllm_tears_down(tmp_path: Pa
         return "vLLM's result"
 
     core = type("Core", (), {})()
-    core._kvcl_autoscaler = scaler
+    EngineCoreState.of(core).autoscaler = scaler
     assert _leave_budget_first(shutdown)(core) == "vLLM's result"
     assert seen_by_vllm == [[other.entry_name]], (mine, seen_by_vllm)  # gone before vLLM's shutdown ran
-    assert core._kvcl_autoscaler is None and scaler.stop.is_set() and scaler.ledgers == []
+    assert EngineCoreState.of(core).autoscaler is None and scaler.stop.is_set() and scaler.ledgers == []
     with other.transaction() as view:
         assert view.others == []
     assert [p.name for p in entries()] == [other.entry_name]  # only the reader's own
@@ -301,10 +302,10 @@ def test_a_failure_leaving_the_ledger_does_not_stop_vllms_shutdown(caplog: pytes
             raise OSError("the ledger folder is gone")
 
     core = type("Core", (), {})()
-    core._kvcl_autoscaler = Broken()
+    EngineCoreState.of(core).autoscaler = Broken()
     with caplog.at_level(logging.ERROR, logger="vllm.plugins.kv_cache_limit"):
         assert _leave_budget_first(lambda core: "vLLM's result")(core) == "vLLM's result"
-    assert core._kvcl_autoscaler is None
+    assert EngineCoreState.of(core).autoscaler is None
     assert "Leaving the shared KV cache budget's ledger failed" in caplog.text
 
 
@@ -410,11 +411,11 @@ def test_an_instance_on_two_devices_counts_once(tmp_path: Path) -> None:
     scalers = [new_autoscaler(engine, 300 * BPB) for engine in engines]
     try:
         for scaler in scalers:
-            autoscaler.join(scaler, two, str(tmp_path))
+            shared_budget.join(scaler, two, str(tmp_path))
         # Each sees the other in both ledgers, with one id: one instance.
         with scalers[1].transaction() as views:
             assert [len(view.others) for view in views] == [1, 1]
-            assert len(autoscaler._instances(views)) == 1
+            assert len(autoscaler.others_in(views)) == 1
     finally:
         for scaler in scalers:
             scaler.close()
@@ -462,7 +463,7 @@ def test_the_timer_decides_only_while_no_call_holds_the_lock() -> None:
         decided.set()
 
     with lock:  # a call in progress
-        thread = autoscaler.start_deciding(scaler, lock, decide)
+        thread = wakeups.start_deciding(scaler, lock, decide)
         assert not decided.wait(5 * autoscaler.TICK_S) and decisions == []
     assert decided.wait(30 * autoscaler.TICK_S), "no decision once the call ended"
     scaler.close()
@@ -481,7 +482,7 @@ def test_a_failing_decision_is_logged_and_the_timer_goes_on(caplog: pytest.LogCa
             raise RuntimeError("a scheduler in an odd state")
 
     with caplog.at_level(logging.ERROR, logger="vllm.plugins.kv_cache_limit"):
-        thread = autoscaler.start_deciding(scaler, lock, decide)
+        thread = wakeups.start_deciding(scaler, lock, decide)
         deadline = 100
         while len(calls) < 2 and deadline:
             threading.Event().wait(autoscaler.TICK_S)
@@ -524,10 +525,10 @@ def test_a_client_call_waits_for_a_decision_in_progress() -> None:
 
     order: list[str] = []
     core = type("Core", (), {})()
-    setattr(core, autoscaler.ENGINE_LOCK, threading.RLock())
+    EngineCoreState.of(core).lock = threading.RLock()
     client = type("Client", (), {"engine_core": core})()
     call = _holding_engine_lock(lambda self, x: order.append(f"call {x}") or x)
-    end_decision = decision_in_progress(getattr(core, autoscaler.ENGINE_LOCK), order, lambda: "decision ends")
+    end_decision = decision_in_progress(EngineCoreState.of(core).lock, order, lambda: "decision ends")
     caller = threading.Thread(target=call, args=(client, 1))
     caller.start()
     caller.join(timeout=0.5)
@@ -545,9 +546,9 @@ def in_process_core(folder: Path) -> tuple[autoscaler.Autoscaler, Any, threading
     engine = Engine()
     scaler = started(engine, new_autoscaler(engine, 300 * BPB), folder)
     core = type("Core", (), {})()
-    core._kvcl_autoscaler = scaler
+    EngineCoreState.of(core).autoscaler = scaler
     lock = threading.RLock()
-    setattr(core, autoscaler.ENGINE_LOCK, lock)
+    EngineCoreState.of(core).lock = lock
     return scaler, core, lock
 
 
@@ -627,15 +628,15 @@ def test_a_failure_at_every_decision_is_logged_once_per_episode(caplog: pytest.L
     def broken(*args: Any) -> None:
         raise RuntimeError("a scheduler in an odd state")
 
-    original = scaler.scaler.decide
-    scaler.scaler.decide = broken  # type: ignore[method-assign]
+    original = scaler.hysteresis.decide
+    scaler.hysteresis.decide = broken  # type: ignore[method-assign]
     with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
         for step in range(30):
             tick(engine, scaler, 100.0 + step)
         assert caplog.text.count("KV cache autoscaling failed in this step") == 1, caplog.text
         assert caplog.text.count("Traceback") == 1
         assert scaler.status()["failing_s"] is not None
-        scaler.scaler.decide = original  # type: ignore[method-assign]
+        scaler.hysteresis.decide = original  # type: ignore[method-assign]
         tick(engine, scaler, 200.0)
     assert "works again after 30 failed decisions" in caplog.text, caplog.text
     assert scaler.status()["failing_s"] is None
@@ -659,7 +660,7 @@ def test_shutdown_never_closes_the_ledger_under_a_decision_that_outlasts_its_wai
         release.wait(30)
         seen.append(len(scaler.ledgers) and scaler.ledgers[0].lock_fd)
 
-    timer = autoscaler.start_deciding(scaler, lock, decide)
+    timer = wakeups.start_deciding(scaler, lock, decide)
     assert deciding.wait(30)
     order: list[str] = []
     engine_core._leave_budget_first(lambda core: order.append("vLLM's shutdown"))(core)

@@ -484,10 +484,10 @@ def test_stale_names_are_found() -> None:
     """The rule the next test applies: a function gone from the package is
     found before the colon and, qualified by its module, after it; vLLM's
     names are left alone."""
-    why = "`_gone`, `Limit.withhold`, `--flag`: read by `compat.gone` and `devices.instance_devices`; `CacheConfig`"
+    why = "`_gone`, `RuntimeLimit.withhold`, `--flag`: read by `compat.gone` and `devices.instance_devices`; `CacheConfig`"
     assert plugin_names_cited(why, leading=True) == [
         "_gone",
-        "Limit.withhold",
+        "RuntimeLimit.withhold",
         "compat.gone",
         "devices.instance_devices",
     ]

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_kv_cache_limit import hooks, register
+from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState, RuntimeLimit
 from vllm_kv_cache_limit.logic.limit_math import Allocation
 
 BLOCKS = 10
@@ -26,15 +27,14 @@ def pool():
 
 def limit_of(pool, limit: int):
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
-    state = hooks.runtime.block_pool.Limit(allocation=allocation, limit=BLOCKS, requested=allocation.nbytes)
-    pool._kvcl_limit = state
+    state = RuntimeLimit.attach(pool, allocation, pages=lambda keep, num_blocks, release: 0)
     state.limit = limit
     return state
 
 
 def test_free_blocks_above_the_limit_leave_the_queue(pool) -> None:
     state = limit_of(pool, 4)
-    state.withhold(pool, pool.blocks[4:])
+    state.withhold(pool.blocks[4:])
     assert pool.get_num_free_blocks() == 3  # blocks 1-3; block 0 is vLLM's null block
     assert sorted(b.block_id for b in pool.get_new_blocks(3)) == [1, 2, 3]
     with pytest.raises(ValueError):
@@ -60,9 +60,9 @@ def test_without_a_limit_vllm_is_untouched(pool) -> None:
 
 def test_grow_gives_withheld_blocks_back(pool) -> None:
     state = limit_of(pool, 4)
-    state.withhold(pool, pool.blocks[4:])
+    state.withhold(pool.blocks[4:])
     state.limit = 7
-    hooks.runtime.engine_core._grow(None, pool, state)
+    state.grow()
     assert state.withheld == {7, 8, 9}
     assert sorted(b.block_id for b in pool.get_new_blocks(6)) == [1, 2, 3, 4, 5, 6]
 
@@ -102,12 +102,14 @@ class _FailingEngineCore:
 def test_a_change_that_fails_inside_vllm_is_rolled_back(pool) -> None:
     from vllm_kv_cache_limit.logic.limit_math import KVCacheResizeFailed
 
-    pool._kvcl_allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
     held = pool.get_new_blocks(BLOCKS - 1)
     pool.free_blocks([b for b in held if b.block_id not in (6, 7)])  # the request keeps blocks 6 and 7
     free_before = sorted(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
     assert free_before == [1, 2, 3, 4, 5, 8, 9]
     core = _FailingEngineCore(pool, [pool.blocks[6], pool.blocks[7]])
+    EngineCoreState.of(core).allocation = Allocation(
+        num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16
+    )
 
     result = hooks.runtime.engine_core._kv_cache_limit_set(core, 4 * 1024, "preempt")
 
@@ -115,7 +117,7 @@ def test_a_change_that_fails_inside_vllm_is_rolled_back(pool) -> None:
     assert "stays at 10KiB (10 blocks)" in result["error"], result["error"]
     with pytest.raises(KVCacheResizeFailed, match="preemption broke"):
         hooks.runtime.client._checked(result)
-    state = pool._kvcl_limit
+    state = RuntimeLimit.of(pool)
     assert (state.limit, state.requested, state.mode, state.withheld) == (BLOCKS, BLOCKS * 1024, "drain", set())
     assert sorted(b.block_id for b in pool.free_block_queue.get_all_free_blocks()) == free_before
     # And the engine resizes normally afterwards (drain: the request keeps its blocks).
@@ -128,17 +130,18 @@ def test_a_ceiling_whose_limit_fails_is_not_kept(pool) -> None:
     limit, then the ceiling; when the limit cannot be set, the ceiling
     stays as it was."""
     from vllm_kv_cache_limit.hooks.runtime import autoscaler, engine_core
-    from vllm_kv_cache_limit.logic.autoscale_policy import Policy, Scaler
+    from vllm_kv_cache_limit.logic.autoscale_policy import Hysteresis, Policy
 
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
-    pool._kvcl_allocation = allocation
     limit_of(pool, BLOCKS)
     held = pool.get_new_blocks(BLOCKS - 1)
     pool.free_blocks([b for b in held if b.block_id not in (6, 7)])
     core = _FailingEngineCore(pool, [pool.blocks[6], pool.blocks[7]])
-    core._kvcl_autoscaler = autoscaler.Autoscaler(
+    state = EngineCoreState.of(core)
+    state.allocation = allocation
+    state.autoscaler = autoscaler.Autoscaler(
         allocation=allocation,
-        scaler=Scaler(Policy(2, 1, shrink_after_s=30.0)),
+        hysteresis=Hysteresis(Policy(2, 1, shrink_after_s=30.0)),
         ceiling=BLOCKS,
         set_limit=engine_core._set_limit,
         group_caps=[(16, 1)],
@@ -146,12 +149,12 @@ def test_a_ceiling_whose_limit_fails_is_not_kept(pool) -> None:
     )
     result = engine_core._kv_cache_limit_set(core, 4 * 1024, "preempt")
     assert result.get("failed") is True and "preemption broke" in result["error"], result
-    assert core._kvcl_autoscaler.ceiling == BLOCKS  # not the refused 4
-    assert pool._kvcl_limit.limit == BLOCKS
+    assert state.autoscaler.ceiling == BLOCKS  # not the refused 4
+    assert RuntimeLimit.of(pool).limit == BLOCKS
     # Once the limit can be set, the ceiling follows, and the reply shows it.
     status = engine_core._kv_cache_limit_set(core, 4 * 1024, "drain")
     assert "error" not in status and status["num_blocks_limit"] == 4, status
-    assert core._kvcl_autoscaler.ceiling == 4 and status["autoscale"]["ceiling_bytes"] == 4 * 1024, status
+    assert state.autoscaler.ceiling == 4 and status["autoscale"]["ceiling_bytes"] == 4 * 1024, status
 
 
 class _CoreClient:
@@ -218,13 +221,13 @@ def test_preemption_that_fails_with_a_type_error_is_not_retried() -> None:
 
     scheduler = _preempting_scheduler(preempt)
     with pytest.raises(TypeError, match="inside vLLM"):
-        hooks.runtime.engine_core._preempt_above(scheduler, 4)
+        hooks.runtime.limit.preempt_above(scheduler, 4)
     assert calls == [("r0", {"drop_stale_output": True})]  # once, with this vLLM's signature
 
 
 def test_preemption_passes_only_the_parameters_this_vllm_has(monkeypatch) -> None:
     calls = []
     scheduler = _preempting_scheduler(lambda request, timestamp, **kwargs: calls.append(kwargs))
-    monkeypatch.setattr(hooks.runtime.engine_core, "_preempt_drops_stale_output", lambda: False)  # vLLM 0.29-0.31
-    hooks.runtime.engine_core._preempt_above(scheduler, 4)
+    monkeypatch.setattr(hooks.runtime.limit, "_preempt_drops_stale_output", lambda: False)  # vLLM 0.29-0.31
+    hooks.runtime.limit.preempt_above(scheduler, 4)
     assert calls == [{}] and scheduler.running == [] and scheduler.prev_step_scheduled_req_ids == set()

@@ -170,7 +170,7 @@ default, so a rename fails loudly, and vLLM deprecates a flag before it
 renames it."""
 
 
-_RESIZE_WITHHOLD = "`Limit.withhold`: which free blocks at or above the limit leave the free queue"
+_RESIZE_WITHHOLD = "`RuntimeLimit.withhold`: which free blocks at or above the limit leave the free queue"
 _RESIZE_CLIENT = "`set_kv_cache_max_memory`, `kv_cache_limit_status` (and their async forms): the engine-core client"
 
 RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
@@ -181,20 +181,25 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         ("vllm.v1.core.kv_cache_utils",),
         "KVCacheBlock",
         "prev_free_block",
-        "`Limit.withhold`: whether a block is in the free queue (a free block outside it is already withheld)",
+        "`RuntimeLimit.withhold`: whether a block is in the free queue (a free block outside it is already withheld)",
     ),
-    Attribute(("vllm.v1.core.block_pool",), "BlockPool", "blocks", "`_shrink`, `_give_back`: the blocks by id"),
+    Attribute(
+        ("vllm.v1.core.block_pool",),
+        "BlockPool",
+        "blocks",
+        "`RuntimeLimit.shrink`, `RuntimeLimit.give_back`: the blocks by id",
+    ),
     Attribute(
         ("vllm.v1.core.block_pool",),
         "BlockPool",
         "enable_caching",
-        "`_shrink`, `Limit.withhold`: whether withheld blocks leave the prefix cache",
+        "`RuntimeLimit.shrink`, `RuntimeLimit.withhold`: whether withheld blocks leave the prefix cache",
     ),
     Attribute(
         ("vllm.v1.core.block_pool",),
         "BlockPool",
         "free_block_queue",
-        "`Limit.withhold`, `_give_back`: the queue the scheduler allocates from",
+        "`RuntimeLimit.withhold`, `RuntimeLimit.give_back`: the queue the scheduler allocates from",
     ),
     Attribute(
         ("vllm.v1.core.kv_cache_manager",),
@@ -206,7 +211,7 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         ("vllm.v1.core.sched.scheduler",),
         "Scheduler",
         "kv_cache_manager",
-        "`_pool`, `_preempt_above`: the blocks each request holds",
+        "`_pool`, `preempt_above`: the blocks each request holds",
     ),
     Attribute(
         ("vllm.v1.core.sched.scheduler",),
@@ -218,23 +223,28 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         ("vllm.v1.core.sched.scheduler",),
         "Scheduler",
         "running",
-        "`_preempt_above`: the running requests, those above the limit preempted",
+        "`preempt_above`: the running requests, those above the limit preempted",
     ),
     Attribute(
         ("vllm.v1.core.sched.scheduler",),
         "Scheduler",
         "prev_step_scheduled_req_ids",
-        "`_preempt_above`: a preempted request leaves it, as in vLLM's own preemption "
+        "`preempt_above`: a preempted request leaves it, as in vLLM's own preemption "
         "(0.34's `_preempt_request` records the preemption itself)",
         versions="<0.34",
     ),
-    Attribute(("vllm.v1.request",), "Request", "request_id", "`_preempt_above`: the blocks a request holds"),
-    Attribute(("vllm.v1.engine.core",), "EngineCore", "scheduler", "`_pool`, `_shrink`: the engine core's scheduler"),
+    Attribute(("vllm.v1.request",), "Request", "request_id", "`preempt_above`: the blocks a request holds"),
+    Attribute(
+        ("vllm.v1.engine.core",),
+        "EngineCore",
+        "scheduler",
+        "`_pool`, `RuntimeLimit.shrink`: the engine core's scheduler",
+    ),
     Attribute(
         ("vllm.v1.engine.core",),
         "EngineCore",
         "model_executor",
-        "`_read_allocation`, `_worker_pages`: `collective_rpc` to the workers",
+        "`_read_allocation`, `worker_pages`: `collective_rpc` to the workers",
     ),
     Attribute(("vllm.v1.engine.core",), "EngineCore", "vllm_config", "`_read_allocation`: blocks per request"),
     Attribute(_KV_CACHE_INTERFACE, "KVCacheConfig", "num_blocks", "`_read_allocation`: the blocks allocated"),
@@ -285,13 +295,13 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         ("vllm.v1.engine.core",),
         "EngineCoreProc",
         "input_queue",
-        "`autoscaler.start_waking`: the queue an idle engine core blocks on, woken with vLLM's own `WAKEUP`",
+        "`wakeups.start_waking`: the queue an idle engine core blocks on, woken with vLLM's own `WAKEUP`",
     ),
     Attribute(
         ("vllm.v1.engine",),
         "EngineCoreRequestType",
         "WAKEUP",
-        "`autoscaler.start_waking`: the request type an engine core takes off its input queue and ignores",
+        "`wakeups.start_waking`: the request type an engine core takes off its input queue and ignores",
     ),
     Attribute(("vllm.entrypoints.llm",), "LLM", "llm_engine", _RESIZE_CLIENT),
     Attribute(("vllm.v1.engine.llm_engine",), "LLMEngine", "engine_core", _RESIZE_CLIENT),

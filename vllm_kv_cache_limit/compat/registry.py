@@ -34,6 +34,7 @@ CAP_MODULES = (
 RESIZE_MODULES = (
     "hooks.runtime.block_pool",
     "hooks.runtime.engine_core",
+    "hooks.runtime.limit",
     "hooks.runtime.worker",
     "hooks.runtime.client",
     "hooks.runtime.server",

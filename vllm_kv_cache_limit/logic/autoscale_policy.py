@@ -64,7 +64,7 @@ class Policy:
 
 
 @dataclass
-class Scaler:
+class Hysteresis:
     """The autoscaler's memory between ticks: since when the demand has
     been below the limit (None: it is not)."""
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kv_cache_limit.logic import autoscale_policy, limit_math, startup_lock
-from vllm_kv_cache_limit.logic.autoscale_policy import Scaler, Share
+from vllm_kv_cache_limit.logic import autoscale_policy, limit_math
+from vllm_kv_cache_limit.logic.autoscale_policy import Hysteresis, Share
 from vllm_kv_cache_limit.logic.budget_ledger import Ledger, LedgerBusy, View
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError, KVCacheResizeError
 from vllm_kv_cache_limit.logic.limit_math import Allocation
@@ -29,8 +29,6 @@ logger = init_logger("vllm.plugins.kv_cache_limit")
 
 TICK_S = 0.1
 """Seconds between two decisions (and two wake-ups of an idle engine core)."""
-JOIN_TIMEOUT_S = 120.0
-"""Seconds a starting instance waits for the others to give back its floor."""
 LEDGER_LOCKED_LOG_S = 1.0
 """How long decisions find the ledger locked by another process before it
 is logged (once): another instance's transaction holds it for a moment."""
@@ -83,7 +81,7 @@ class Autoscaler:
     """One engine core's autoscaling state (on the engine core as ``_kvcl_autoscaler``)."""
 
     allocation: Allocation
-    scaler: Scaler
+    hysteresis: Hysteresis
     ceiling: int
     """Blocks: the start-up allocation, or the last manual resize."""
     set_limit: Callable[[Any, int, str], dict[str, Any]]
@@ -124,7 +122,7 @@ class Autoscaler:
 
     @property
     def floor(self) -> int:
-        return self.scaler.policy.floor
+        return self.hysteresis.policy.floor
 
     @property
     def unit(self) -> int:
@@ -134,7 +132,7 @@ class Autoscaler:
     @property
     def target(self) -> int:
         """The limit the last decision's demand asks for (the scaler's)."""
-        return self.scaler.target
+        return self.hysteresis.target
 
     def read_demand(self, scheduler: Any) -> int:
         """Blocks every unfinished request holds and will need to finish
@@ -176,7 +174,7 @@ class Autoscaler:
     def _tick(self, engine_core: Any, state: Any, now: float, demand: int) -> None:
         limit = state.limit
         self.demand = demand
-        new = self.scaler.decide(now, demand, limit, self.ceiling)
+        new = self.hysteresis.decide(now, demand, limit, self.ceiling)
         drained = len(state.withheld) == self.allocation.num_blocks - limit
         if new is None:
             reason = ""
@@ -185,7 +183,7 @@ class Autoscaler:
         elif limit > self.ceiling:
             reason = "above the ceiling"
         else:
-            reason = f"demand below the limit for {self.scaler.policy.shrink_after_s:g} s"
+            reason = f"demand below the limit for {self.hysteresis.policy.shrink_after_s:g} s"
         held = self.held
         if self.budget is not None:
             new, gave = self._within_budget(limit, new, drained, now)
@@ -281,7 +279,7 @@ class Autoscaler:
         assert self.budget is not None
         unit = self.unit
         with self.transaction(wait=False) as views:
-            self.others = _instances(views)
+            self.others = others_in(views)
             if drained:
                 self.held = limit
             me, others = self._shares(self.held)
@@ -292,7 +290,7 @@ class Autoscaler:
             if new is None or new <= limit:
                 back = autoscale_policy.give_back(me, others, self.budget)
                 if back is not None and max(self.floor, back // unit) < min(new or limit, limit):
-                    self.scaler.below_since = None
+                    self.hysteresis.below_since = None
                     new, gave = max(self.floor, back // unit), True
             if new is not None and new > limit:
                 self.held = max(self.held, new)
@@ -345,17 +343,6 @@ class Autoscaler:
                 ledger.close()
 
 
-def _instances(views: list[View]) -> list[dict[str, Any]]:
-    """The other instances in the ledgers of this instance's devices, each
-    once (a tensor-parallel instance has an entry in every device's ledger,
-    all with its id); an entry without an id counts on its own."""
-    found: dict[str, dict[str, Any]] = {}
-    for view in views:
-        for record in view.others:
-            found.setdefault(str(record.get("instance") or f"entry {len(found)}"), record)
-    return list(found.values())
-
-
 def floor_blocks(min_memory: int | None, allocation: Allocation) -> int:
     """The floor in blocks: ``--kv-cache-min-memory``, by default one
     request of ``max_model_len``; refused as resize refuses a limit that
@@ -368,136 +355,12 @@ def floor_blocks(min_memory: int | None, allocation: Allocation) -> int:
         raise KVCacheMaxMemoryError(f"--kv-cache-min-memory {format_size(min_memory)} is refused: {exc}") from None
 
 
-def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None = None) -> None:
-    """Take this instance's place in every device's ledger, refusing a
-    budget that differs from the others' or that cannot hold every floor,
-    and wait (bounded) until the others leave this instance its floor."""
-    assert scaler.budget is not None
-    folder = startup_lock.lock_dir() if folder is None else folder
-    floor = scaler.floor * scaler.unit  # on each device, over this instance's workers there
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    scaler.scaler.target = scaler.floor
-    try:
-        for key, label in sorted(set(devices)):
-            scaler.ledgers.append(Ledger(folder, key))
-            scaler.devices.append(label)
-        while True:
-            with scaler.transaction() as views:
-                scaler.others = _instances(views)
-                _check_others(
-                    scaler.budget, floor, scaler.others, devices, scaler.unit >= 2 * scaler.allocation.bytes_per_block
-                )
-                free = scaler.budget - max((sum(int(o["holds"]) for o in view.others) for view in views), default=0)
-                if free >= floor:
-                    scaler.held = scaler.floor
-                scaler._write(views)
-            if scaler.held:
-                return
-            if time.monotonic() > deadline:
-                holders = ", ".join(f"{o.get('label')} ({format_size(int(o['holds']))})" for o in scaler.others)
-                raise KVCacheMaxMemoryError(
-                    f"--kv-cache-shared-budget {format_size(scaler.budget)}: the other instances on "
-                    f"{', '.join(label for _, label in devices)} hold it ({holders}) and did not leave this "
-                    f"instance its --kv-cache-min-memory {format_size(floor)} within {JOIN_TIMEOUT_S:g} s. "
-                    "Start it when they are idle, or give a larger budget."
-                )
-            time.sleep(0.2)
-    except OSError as exc:  # a planted link, a folder without the sticky bit, another user's folder
-        scaler.close()
-        raise KVCacheMaxMemoryError(
-            f"--kv-cache-shared-budget: the ledger in {folder} cannot be used: {exc}. "
-            f"Give a lock folder every instance of the budget may write to "
-            f"({startup_lock.LOCK_DIR_ENV}): one created with mode 1777 for every user of the device, "
-            "or a group's folder of mode 2770 for the members of that group."
-        ) from None
-    except BaseException:
-        scaler.close()
-        raise
-
-
-def _check_others(
-    total: int, floor: int, others: list[dict[str, Any]], devices: list[tuple[str, str]], workers: bool = False
-) -> None:
-    """Refuse a budget that differs from the others' or cannot hold every
-    floor; ``workers``: this instance has several workers on a device, and
-    ``floor`` is theirs together."""
-    where = ", ".join(label for _, label in devices)
-    for other in others:
-        if other.get("budget") != total:
-            raise KVCacheMaxMemoryError(
-                f"--kv-cache-shared-budget {format_size(total)} ({total} bytes) differs from the "
-                f"{format_size(int(other.get('budget') or 0))} ({other.get('budget')} bytes) that {other.get('label')} "
-                f"gave for {where}; every instance sharing a device must give the same budget."
-            )
-    floors = [int(o["floor"]) for o in others]
-    if not autoscale_policy.fits_floors(floor, floors, total):
-        least = floor + sum(floors)
-        mine = f"this one's {format_size(floor)}" + (" (its workers' floors on the device together)" if workers else "")
-        theirs = (
-            f" and {len(others)} other(s)' {format_size(sum(floors))} ({', '.join(str(o.get('label')) for o in others)})"
-            if others
-            else ""
-        )
-        raise KVCacheMaxMemoryError(
-            f"--kv-cache-shared-budget {format_size(total)} ({total} bytes) is below the floors of the "
-            f"instances on {where}: {mine}{theirs}. Give a budget of at "
-            f"least {format_size(least)} ({least} bytes), or lower --kv-cache-min-memory."
-        )
-
-
-def start_waking(engine_core: Any, scaler: Autoscaler, wakeup: Any) -> threading.Thread:
-    """A daemon thread that puts vLLM's own ``WAKEUP`` into an idle engine
-    core's input queue every ``TICK_S``, so that the autoscaler also decides
-    while no request arrives (an idle engine core blocks on that queue).
-    It only enqueues: every decision runs in the engine core's thread."""
-
-    def run() -> None:
-        while not scaler.stop.wait(TICK_S):
-            queue = getattr(engine_core, "input_queue", None)
-            if queue is not None and queue.empty():
-                queue.put_nowait((wakeup, None))
-
-    thread = threading.Thread(target=run, name="kv-cache-autoscale", daemon=True)
-    thread.start()
-    return thread
-
-
-ENGINE_LOCK = "_kvcl_lock"
-"""The attribute of an in-process engine core holding its autoscaling lock:
-held by every call the client makes into it (``hooks.runtime.client``), and by
-a decision its timer takes (``start_deciding``)."""
-
-
-def start_deciding(scaler: Autoscaler, lock: threading.RLock, decide: Callable[[], None]) -> threading.Thread:
-    """A daemon thread that runs ``decide`` every ``TICK_S`` while it can
-    take ``lock`` at once, for an engine core in the caller's process
-    (vLLM's in-process client): it has no input queue to wake, and while
-    the caller makes no call it takes no step. A call in progress holds the
-    lock, and its steps decide; a decision in progress makes the next call
-    wait for it."""
-
-    failing = Episode()  # this thread's own: a step's decision keeps the scaler's
-
-    def run() -> None:
-        while not scaler.stop.wait(TICK_S):
-            if not lock.acquire(blocking=False):
-                continue
-            try:
-                if not scaler.stop.is_set():
-                    decide()
-            except Exception:  # the thread goes on; the next decision may work
-                if failing.begin(time.monotonic()):
-                    logger.exception(
-                        "KV cache autoscaling failed while the engine idled (logged once until a decision works again)."
-                    )
-            else:
-                _end_failing(failing, time.monotonic())
-            finally:
-                lock.release()
-        if scaler.close_when_stopped:  # a shutdown went on without waiting for the last decision
-            scaler.close()
-
-    thread = threading.Thread(target=run, name="kv-cache-autoscale", daemon=True)
-    scaler.timer = thread
-    thread.start()
-    return thread
+def others_in(views: list[View]) -> list[dict[str, Any]]:
+    """The other instances in the ledgers of this instance's devices, each
+    once (a tensor-parallel instance has an entry in every device's ledger,
+    all with its id); an entry without an id counts on its own."""
+    found: dict[str, dict[str, Any]] = {}
+    for view in views:
+        for record in view.others:
+            found.setdefault(str(record.get("instance") or f"entry {len(found)}"), record)
+    return list(found.values())

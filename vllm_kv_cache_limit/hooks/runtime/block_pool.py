@@ -2,48 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional
+from vllm_kv_cache_limit.hooks.runtime.limit import RuntimeLimit
 from vllm_kv_cache_limit.hooks.wrap import wrap
 from vllm_kv_cache_limit.logic import limit_math
-from vllm_kv_cache_limit.logic.limit_math import Allocation
-
-
-@dataclasses.dataclass
-class Limit:
-    """The limit in force on one block pool (set on it as ``_kvcl_limit``)."""
-
-    allocation: Allocation
-    limit: int
-    requested: int
-    mode: str = "drain"
-    withheld: set[int] = dataclasses.field(default_factory=set)
-    released_from: int | None = None
-    released_bytes: int = 0
-
-    def withhold(self, pool: Any, blocks: list[Any]) -> None:
-        """Take free blocks at or above the limit out of the free queue (and
-        the prefix cache), so the scheduler never hands them out."""
-        for block in blocks:
-            if block.block_id < self.limit or block.ref_cnt != 0 or block.is_null:
-                continue
-            if block.prev_free_block is None:  # not in the free queue
-                continue
-            if pool.enable_caching:
-                pool._maybe_evict_cached_block(block)
-            pool.free_block_queue.remove(block)
-            self.withheld.add(block.block_id)
-
-    def release_due(self) -> bool:
-        """Whether every block above the limit is withheld (none is in use)
-        while their pages have not been returned at this limit yet."""
-        above = self.allocation.num_blocks - self.limit
-        return above > 0 and self.released_from != self.limit and len(self.withheld) == above
 
 
 def patch(module: Any) -> None:
@@ -64,12 +31,12 @@ def patch(module: Any) -> None:
 
 def _withhold_after(original: Callable) -> Callable:
     def method(self: Any, blocks: Any, *args: Any, **kwargs: Any) -> Any:
-        limit: Limit | None = getattr(self, "_kvcl_limit", None)
+        limit = RuntimeLimit.of(self)
         if limit is None:
             return original(self, blocks, *args, **kwargs)
         blocks = list(blocks)
         result = original(self, blocks, *args, **kwargs)
-        limit.withhold(self, blocks)
+        limit.withhold(blocks)
         return result
 
     return method
@@ -88,7 +55,7 @@ def _uncache_above_limit(original: Callable) -> Callable:
         self: Any, request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int, *args: Any, **kwargs: Any
     ) -> Any:
         result = original(self, request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
-        limit: Limit | None = getattr(self, "_kvcl_limit", None)
+        limit = RuntimeLimit.of(self)
         if limit is not None:
             for block in blocks[num_cached_blocks:num_full_blocks]:
                 if block.block_id >= limit.limit and not block.is_null:
@@ -100,7 +67,7 @@ def _uncache_above_limit(original: Callable) -> Callable:
 
 def _usage_under_limit(original: Callable) -> Callable:
     def get_usage(self: Any) -> float:
-        limit: Limit | None = getattr(self, "_kvcl_limit", None)
+        limit = RuntimeLimit.of(self)
         if limit is None:
             return original(self)
         usable = limit.limit - limit_math.NULL_BLOCKS
@@ -145,7 +112,7 @@ BLOCK_POOL_MAYBE_EVICT_CACHED_BLOCK = Hook(
 FREE_BLOCK_QUEUE_REMOVE = Hook(("vllm.v1.core.kv_cache_utils",), "FreeKVCacheBlockQueue.remove", ("self", "block"))
 
 # Called, not wrapped: the free blocks, every step under a limit (``get_usage``)
-# and in the status (``hooks.runtime.engine_core._kv_cache_limit_status``).
+# and in the status (``RuntimeLimit.usage``).
 BLOCK_POOL_GET_NUM_FREE_BLOCKS = Hook(("vllm.v1.core.block_pool",), "BlockPool.get_num_free_blocks", ("self",))
 
 HOOKS = (

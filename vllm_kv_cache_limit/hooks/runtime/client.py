@@ -16,7 +16,6 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.compat import Hook
-from vllm_kv_cache_limit.hooks.runtime.autoscaler import ENGINE_LOCK
 from vllm_kv_cache_limit.hooks.runtime.availability import (
     RESIZE_REMOVE,
     RESIZE_UPSTREAM,
@@ -24,6 +23,7 @@ from vllm_kv_cache_limit.hooks.runtime.availability import (
     problem_of,
     require_hooks,
 )
+from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState
 from vllm_kv_cache_limit.hooks.wrap import wrap
 from vllm_kv_cache_limit.logic import limit_math
 from vllm_kv_cache_limit.logic.errors import KVCacheResizeError, KVCacheResizeFailed
@@ -54,7 +54,8 @@ def _call(engine: Any, method: str, *args: Any) -> dict[str, Any]:
 
 def _engine_lock(engine_core: Any) -> contextlib.AbstractContextManager[Any]:
     """The autoscaling lock of an in-process engine core (none without autoscaling)."""
-    lock = getattr(engine_core, ENGINE_LOCK, None)
+    state = EngineCoreState.peek(engine_core)
+    lock = None if state is None else state.lock
     return contextlib.nullcontext() if lock is None else lock
 
 
@@ -177,7 +178,8 @@ def _holding_engine_lock(original: Callable) -> Callable:
     """The original, run holding its engine core's autoscaling lock when it has one."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        lock = getattr(getattr(self, "engine_core", None), ENGINE_LOCK, None)
+        state = EngineCoreState.peek(getattr(self, "engine_core", None))
+        lock = None if state is None else state.lock
         if lock is None:
             return original(self, *args, **kwargs)
         with lock:

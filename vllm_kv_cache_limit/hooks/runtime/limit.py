@@ -1,0 +1,299 @@
+"""The run-time limit of one engine core: :class:`RuntimeLimit` owns the
+limit on its block pool and every change to it (shrink, grow, give back,
+settle, release of the pages above it); :class:`EngineCoreState` is all the
+run-time limit keeps on an engine core, in one attribute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit import compat
+from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.logic import limit_math
+from vllm_kv_cache_limit.logic.errors import KVCacheResizeError
+from vllm_kv_cache_limit.logic.limit_math import Allocation
+from vllm_kv_cache_limit.logic.sizes import format_size
+
+if TYPE_CHECKING:
+    from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+Pages = Callable[[int, int, bool], int]
+"""The workers' pages of blocks ``keep..num_blocks-1``: returned to the OS
+(``release``) or taken back; the bytes it concerned, over all workers."""
+
+
+@dataclasses.dataclass
+class RuntimeLimit:
+    """The limit in force on one block pool (which points back to it as
+    ``_kvcl_limit``, for the pool's wrappers): blocks at or above ``limit``
+    are withheld from the free queue as they become free."""
+
+    pool: Any
+    allocation: Allocation
+    pages: Pages
+    limit: int
+    requested: int
+    mode: str = "drain"
+    withheld: set[int] = dataclasses.field(default_factory=set)
+    released_from: int | None = None
+    released_bytes: int = 0
+
+    @classmethod
+    def of(cls, pool: Any) -> RuntimeLimit | None:
+        """The limit on ``pool``, if one was ever set."""
+        return getattr(pool, "_kvcl_limit", None)
+
+    @classmethod
+    def attach(cls, pool: Any, allocation: Allocation, pages: Pages) -> RuntimeLimit:
+        """A limit at the whole allocation, set on ``pool``."""
+        limit = cls(pool, allocation, pages, limit=allocation.num_blocks, requested=allocation.nbytes)
+        pool._kvcl_limit = limit
+        return limit
+
+    def withhold(self, blocks: list[Any]) -> None:
+        """Take free blocks at or above the limit out of the free queue (and
+        the prefix cache), so the scheduler never hands them out."""
+        pool = self.pool
+        for block in blocks:
+            if block.block_id < self.limit or block.ref_cnt != 0 or block.is_null:
+                continue
+            if block.prev_free_block is None:  # not in the free queue
+                continue
+            if pool.enable_caching:
+                pool._maybe_evict_cached_block(block)
+            pool.free_block_queue.remove(block)
+            self.withheld.add(block.block_id)
+
+    def change(self, new: int, nbytes: int, mode: str, scheduler: Any) -> int:
+        """Move the limit to ``new`` blocks; returns the old one. A failure
+        inside vLLM (preempting, the workers' reply) restores the old limit
+        and queue before it propagates: nothing half applied. Requests
+        preempted before the failure are recomputed, as any preempted one."""
+        old, old_requested, old_mode = self.limit, self.requested, self.mode
+        self.limit, self.requested, self.mode = new, nbytes, mode
+        try:
+            if new < old:
+                self.shrink(scheduler)
+            elif new > old:
+                self.grow()
+        except BaseException:
+            self.limit, self.requested, self.mode = old, old_requested, old_mode
+            self.settle()
+            raise
+        return old
+
+    def shrink(self, scheduler: Any) -> None:
+        """Withhold the free blocks above the limit; in ``preempt`` mode also
+        preempt the requests holding any."""
+        pool = self.pool
+        above = pool.blocks[self.limit :]
+        if pool.enable_caching:
+            # Prefix-cache entries in blocks above the limit go now, in use or not,
+            # so no new request can hit (and hold) them.
+            for block in above:
+                if not block.is_null:
+                    pool._maybe_evict_cached_block(block)
+        self.withhold(above)
+        if self.mode == "preempt":
+            preempt_above(scheduler, self.limit)
+
+    def grow(self) -> None:
+        """Queue the withheld blocks below the limit again, and take back
+        the pages of the blocks returned to the OS below it."""
+        self.give_back()
+        if self.released_from is not None and self.released_from < self.limit:
+            self.released_bytes = self.pages(self.limit, self.allocation.num_blocks, False)
+            self.released_from = self.limit if self.released_bytes else None
+
+    def give_back(self) -> None:
+        """Queue the withheld blocks below the limit again."""
+        back = sorted(i for i in self.withheld if i < self.limit)
+        self.pool.free_block_queue.append_n([self.pool.blocks[i] for i in back])
+        self.withheld.difference_update(back)
+
+    def settle(self) -> None:
+        """Make the free queue match the limit again (after a failed change):
+        withheld blocks below it queued, free blocks at or above it withheld.
+        Touches only free blocks, so it cannot fail on a request."""
+        self.give_back()
+        self.withhold(self.pool.blocks[self.limit :])
+
+    def release_due(self) -> bool:
+        """Whether every block above the limit is withheld (none is in use)
+        while their pages have not been returned at this limit yet."""
+        above = self.allocation.num_blocks - self.limit
+        return above > 0 and self.released_from != self.limit and len(self.withheld) == above
+
+    def release_if_due(self) -> None:
+        """Return the pages of the blocks above the limit to the OS (through
+        the workers) once none of them is in use; a failure is logged, never
+        raised into vLLM's step, and the pages then stay allocated."""
+        if not self.release_due():
+            return
+        num_blocks = self.allocation.num_blocks
+        try:
+            self.released_bytes = self.pages(self.limit, num_blocks, True)
+        except Exception:
+            self.released_bytes = 0
+            logger.exception(
+                "Returning the KV cache pages of blocks %d-%d to the OS failed; they stay allocated.",
+                self.limit,
+                num_blocks - 1,
+            )
+        self.released_from = self.limit
+        logger.info(
+            "KV cache limit holds: %s of blocks %d-%d returned to the OS.",
+            format_size(self.released_bytes),
+            self.limit,
+            num_blocks - 1,
+        )
+
+    def usage(self) -> tuple[int, int]:
+        """Blocks in use, and of those, blocks at or above the limit."""
+        free = self.pool.get_num_free_blocks()
+        in_use = self.allocation.num_blocks - limit_math.NULL_BLOCKS - free - len(self.withheld)
+        above = sum(1 for block in self.pool.blocks[self.limit :] if block.ref_cnt > 0 and not block.is_null)
+        return in_use, above
+
+
+def preempt_above(scheduler: Any, limit: int) -> None:
+    """Preempt the running requests holding a block at or above ``limit``,
+    as vLLM's ``reset_prefix_cache(reset_running_requests=True)`` does for
+    all of them: they go back to the waiting queue and are recomputed."""
+    manager = scheduler.kv_cache_manager
+    victims = [
+        request
+        for request in scheduler.running
+        if any(b >= limit for group in manager.get_blocks(request.request_id).get_block_ids() for b in group)
+    ]
+    timestamp = time.monotonic()
+    extra = {"drop_stale_output": True} if _preempt_drops_stale_output() else {}
+    for request in reversed(victims):
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, timestamp, **extra)
+        # vLLM 0.29-0.33 keep last step's ids apart and drop them when they
+        # preempt (0.32 reset_prefix_cache); 0.34's _preempt_request records
+        # the preemption itself (reset_preempted_req_ids).
+        previous = getattr(scheduler, "prev_step_scheduled_req_ids", None)
+        if previous is not None:
+            previous.discard(request.request_id)
+    if victims:
+        logger.info("Preempted %d running request(s) holding blocks above the new KV cache limit.", len(victims))
+
+
+@functools.cache
+def _preempt_drops_stale_output() -> bool:
+    """Whether this vLLM's ``Scheduler._preempt_request`` takes
+    ``drop_stale_output`` (0.32+; a preempted request's output of the step
+    in flight is then dropped), read once from its signature as
+    ``compat.RESIZE_HOOKS`` resolves it: never by trying a call, which could
+    preempt twice."""
+
+    preempt, problem = compat.resolve_hook(SCHEDULER_PREEMPT_REQUEST)
+    if preempt is None:
+        raise KVCacheResizeError(f"Run-time KV cache resize is unavailable in this vLLM: {problem}")
+    return "drop_stale_output" in inspect.signature(preempt).parameters  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class EngineCoreState:
+    """All the run-time limit keeps on one engine core (as ``_kvcl_state``)."""
+
+    allocation: Allocation | None = None
+    """The start-up allocation, read once (it asks the workers)."""
+    autoscaler: Autoscaler | None = None
+    """With ``--kv-cache-autoscale``, once started."""
+    in_step: bool = False
+    """A step (or an abort) of the engine core is in progress."""
+    lock: threading.RLock | None = None
+    """An in-process engine core's autoscaling lock: held by every call the
+    client makes into it (``hooks.runtime.client``) and by a decision its
+    timer takes (``autoscaler.start_deciding``)."""
+
+    @classmethod
+    def of(cls, engine_core: Any) -> EngineCoreState:
+        """The engine core's state, created empty on first use."""
+        state: EngineCoreState | None = getattr(engine_core, "_kvcl_state", None)
+        if state is None:
+            state = engine_core._kvcl_state = cls()
+        return state
+
+    @classmethod
+    def peek(cls, engine_core: Any) -> EngineCoreState | None:
+        """The engine core's state if it has one, without creating it."""
+        return getattr(engine_core, "_kvcl_state", None)
+
+
+def allocation_of(engine_core: Any) -> Allocation:
+    """The start-up allocation, read once per engine (it asks the workers)."""
+    state = EngineCoreState.of(engine_core)
+    if state.allocation is None:
+        state.allocation = _read_allocation(engine_core)
+    return state.allocation
+
+
+def _read_allocation(engine_core: Any) -> Allocation:
+    config = engine_core.scheduler.kv_cache_config
+    vllm_config = engine_core.vllm_config
+    num_blocks = config.num_blocks
+    # What each worker really holds (the distinct storages of its KV cache
+    # tensors): the config's tensors can share one allocation (hybrid models).
+    allocated = [int(b) for b in engine_core.model_executor.collective_rpc("kv_cache_limit_allocated")]
+    per_request = 0
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        per_request += -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
+    return Allocation(
+        num_blocks=num_blocks,
+        bytes_per_block=min(allocated) // num_blocks,
+        blocks_per_request=per_request,
+        max_model_len=vllm_config.model_config.max_model_len,
+        largest_bytes_per_block=-(-max(allocated) // num_blocks),
+    )
+
+
+def pages_of(engine_core: Any) -> Pages:
+    """The workers' pages of an engine core, through ``worker_pages`` as it
+    is when called."""
+    return lambda keep, num_blocks, release: worker_pages(engine_core, keep, num_blocks, release)
+
+
+def worker_pages(engine_core: Any, keep: int, num_blocks: int, release: bool) -> int:
+    results = engine_core.model_executor.collective_rpc("kv_cache_limit_pages", args=(keep, num_blocks, release))
+    return sum(int(r) for r in results)
+
+
+FREE_BLOCK_QUEUE_APPEND_N = Hook(("vllm.v1.core.kv_cache_utils",), "FreeKVCacheBlockQueue.append_n", ("self",))
+
+SCHEDULER_PREEMPT_REQUEST = Hook(
+    ("vllm.v1.core.sched.scheduler",), "Scheduler._preempt_request", ("self", "request", "timestamp")
+)
+
+# Called, not wrapped: the blocks a request holds (``preempt_above``).
+KV_CACHE_MANAGER_GET_BLOCKS = Hook(
+    ("vllm.v1.core.kv_cache_manager",), "KVCacheManager.get_blocks", ("self", "request_id")
+)
+
+KV_CACHE_BLOCKS_GET_BLOCK_IDS = Hook(("vllm.v1.core.kv_cache_manager",), "KVCacheBlocks.get_block_ids", ("self",))
+
+HOOKS = (
+    FREE_BLOCK_QUEUE_APPEND_N,
+    SCHEDULER_PREEMPT_REQUEST,
+    KV_CACHE_MANAGER_GET_BLOCKS,
+    KV_CACHE_BLOCKS_GET_BLOCK_IDS,
+)
+
+TARGETS: dict[str, Callable[[Any], None]] = {}
+"""Patches no vLLM module: it is called from the hooks of ``engine_core`` and ``block_pool``."""

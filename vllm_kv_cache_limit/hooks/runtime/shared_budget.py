@@ -1,0 +1,133 @@
+"""A device's shared KV cache budget (``--kv-cache-shared-budget``) as an
+engine core's autoscaler takes part in it: joining every device's ledger
+(``logic.budget_ledger``) at start-up, refusing a budget that differs from
+the others' or cannot hold every floor, and leaving at shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler, others_in
+from vllm_kv_cache_limit.logic import autoscale_policy, startup_lock
+from vllm_kv_cache_limit.logic.budget_ledger import Ledger
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic.sizes import format_size
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+JOIN_TIMEOUT_S = 120.0
+"""Seconds a starting instance waits for the others to give back its floor."""
+
+
+def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None = None) -> None:
+    """Take this instance's place in every device's ledger, refusing a
+    budget that differs from the others' or that cannot hold every floor,
+    and wait (bounded) until the others leave this instance its floor."""
+    assert scaler.budget is not None
+    folder = startup_lock.lock_dir() if folder is None else folder
+    floor = scaler.floor * scaler.unit  # on each device, over this instance's workers there
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    scaler.hysteresis.target = scaler.floor
+    try:
+        for key, label in sorted(set(devices)):
+            scaler.ledgers.append(Ledger(folder, key))
+            scaler.devices.append(label)
+        while True:
+            with scaler.transaction() as views:
+                scaler.others = others_in(views)
+                _check_others(
+                    scaler.budget, floor, scaler.others, devices, scaler.unit >= 2 * scaler.allocation.bytes_per_block
+                )
+                free = scaler.budget - max((sum(int(o["holds"]) for o in view.others) for view in views), default=0)
+                if free >= floor:
+                    scaler.held = scaler.floor
+                scaler._write(views)
+            if scaler.held:
+                return
+            if time.monotonic() > deadline:
+                holders = ", ".join(f"{o.get('label')} ({format_size(int(o['holds']))})" for o in scaler.others)
+                raise KVCacheMaxMemoryError(
+                    f"--kv-cache-shared-budget {format_size(scaler.budget)}: the other instances on "
+                    f"{', '.join(label for _, label in devices)} hold it ({holders}) and did not leave this "
+                    f"instance its --kv-cache-min-memory {format_size(floor)} within {JOIN_TIMEOUT_S:g} s. "
+                    "Start it when they are idle, or give a larger budget."
+                )
+            time.sleep(0.2)
+    except OSError as exc:  # a planted link, a folder without the sticky bit, another user's folder
+        scaler.close()
+        raise KVCacheMaxMemoryError(
+            f"--kv-cache-shared-budget: the ledger in {folder} cannot be used: {exc}. "
+            f"Give a lock folder every instance of the budget may write to "
+            f"({startup_lock.LOCK_DIR_ENV}): one created with mode 1777 for every user of the device, "
+            "or a group's folder of mode 2770 for the members of that group."
+        ) from None
+    except BaseException:
+        scaler.close()
+        raise
+
+
+def _check_others(
+    total: int, floor: int, others: list[dict[str, Any]], devices: list[tuple[str, str]], workers: bool = False
+) -> None:
+    """Refuse a budget that differs from the others' or cannot hold every
+    floor; ``workers``: this instance has several workers on a device, and
+    ``floor`` is theirs together."""
+    where = ", ".join(label for _, label in devices)
+    for other in others:
+        if other.get("budget") != total:
+            raise KVCacheMaxMemoryError(
+                f"--kv-cache-shared-budget {format_size(total)} ({total} bytes) differs from the "
+                f"{format_size(int(other.get('budget') or 0))} ({other.get('budget')} bytes) that {other.get('label')} "
+                f"gave for {where}; every instance sharing a device must give the same budget."
+            )
+    floors = [int(o["floor"]) for o in others]
+    if not autoscale_policy.fits_floors(floor, floors, total):
+        least = floor + sum(floors)
+        mine = f"this one's {format_size(floor)}" + (" (its workers' floors on the device together)" if workers else "")
+        theirs = (
+            f" and {len(others)} other(s)' {format_size(sum(floors))} ({', '.join(str(o.get('label')) for o in others)})"
+            if others
+            else ""
+        )
+        raise KVCacheMaxMemoryError(
+            f"--kv-cache-shared-budget {format_size(total)} ({total} bytes) is below the floors of the "
+            f"instances on {where}: {mine}{theirs}. Give a budget of at "
+            f"least {format_size(least)} ({least} bytes), or lower --kv-cache-min-memory."
+        )
+
+
+def leave(scaler: Autoscaler, lock: threading.RLock | None, wait_s: float) -> bool:
+    """Stop the autoscaler and leave its ledgers; whether it left them now.
+    An in-process engine core's timer may be deciding (vLLM's finalizer
+    calls shutdown without the client's lock, ``lock``): it starts no other
+    decision, and this one may end within ``wait_s``. One that does not
+    keeps its ledger's descriptors (it may still write through them), and
+    the timer closes them as it ends."""
+    scaler.stop.set()
+    if lock is None:
+        scaler.close()
+        return True
+    if lock.acquire(timeout=wait_s):
+        try:
+            scaler.close()
+        finally:
+            lock.release()
+        return True
+    scaler.close_when_stopped = True
+    timer = scaler.timer
+    if timer is not None:
+        timer.join(timeout=0.5)
+    if timer is None or not timer.is_alive():
+        scaler.close()
+        return True
+    logger.warning(
+        "An autoscaling decision is still in progress after %g s; the engine core shuts down, and its shared "
+        "budget's ledger entries go when the decision ends (or the process exits).",
+        wait_s,
+    )
+    return False

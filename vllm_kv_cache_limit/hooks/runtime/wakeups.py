@@ -1,0 +1,70 @@
+"""What makes an idle engine core's autoscaler decide: vLLM's own
+``WAKEUP`` in its input queue, or, for an engine core in the caller's
+process (no input queue), a timer that decides between the caller's calls.
+Every decision runs where the engine core's steps run, never beside one."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit.hooks.runtime.autoscaler import TICK_S, Autoscaler, Episode, _end_failing
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+
+def start_waking(engine_core: Any, scaler: Autoscaler, wakeup: Any) -> threading.Thread:
+    """A daemon thread that puts vLLM's own ``WAKEUP`` into an idle engine
+    core's input queue every ``TICK_S``, so that the autoscaler also decides
+    while no request arrives (an idle engine core blocks on that queue).
+    It only enqueues: every decision runs in the engine core's thread."""
+
+    def run() -> None:
+        while not scaler.stop.wait(TICK_S):
+            queue = getattr(engine_core, "input_queue", None)
+            if queue is not None and queue.empty():
+                queue.put_nowait((wakeup, None))
+
+    thread = threading.Thread(target=run, name="kv-cache-autoscale", daemon=True)
+    thread.start()
+    return thread
+
+
+def start_deciding(scaler: Autoscaler, lock: threading.RLock, decide: Callable[[], None]) -> threading.Thread:
+    """A daemon thread that runs ``decide`` every ``TICK_S`` while it can
+    take ``lock`` at once, for an engine core in the caller's process
+    (vLLM's in-process client): it has no input queue to wake, and while
+    the caller makes no call it takes no step. A call in progress holds the
+    lock, and its steps decide; a decision in progress makes the next call
+    wait for it."""
+
+    failing = Episode()  # this thread's own: a step's decision keeps the scaler's
+
+    def run() -> None:
+        while not scaler.stop.wait(TICK_S):
+            if not lock.acquire(blocking=False):
+                continue
+            try:
+                if not scaler.stop.is_set():
+                    decide()
+            except Exception:  # the thread goes on; the next decision may work
+                if failing.begin(time.monotonic()):
+                    logger.exception(
+                        "KV cache autoscaling failed while the engine idled (logged once until a decision works again)."
+                    )
+            else:
+                _end_failing(failing, time.monotonic())
+            finally:
+                lock.release()
+        if scaler.close_when_stopped:  # a shutdown went on without waiting for the last decision
+            scaler.close()
+
+    thread = threading.Thread(target=run, name="kv-cache-autoscale", daemon=True)
+    scaler.timer = thread
+    thread.start()
+    return thread
