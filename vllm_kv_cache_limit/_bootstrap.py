@@ -80,12 +80,10 @@ def _run_patch(module: types.ModuleType, target: str) -> None:
         if isinstance(exc, KVCacheMaxMemoryError):
             raise  # a cap is in force and cannot be enforced: stop
         failed[module.__name__] = f"{target} on {module.__name__} failed: {exc!r}"
-        if cap_in_force():
-            # Fail closed: never run with the cap silently unenforced; the
-            # engine-core or worker process hands the error to the first one.
-            from vllm_kv_cache_limit.logic.relay import raise_cap_error
+        # Fail closed (logic.fail_closed): with a cap in force, stop.
+        from vllm_kv_cache_limit import compat
 
-            raise_cap_error(hook_failure_message([failed[module.__name__]]))
+        compat.stop_if_capped([failed[module.__name__]])
         # Without a cap, never break the import of a vLLM module.
         import logging
 
@@ -95,26 +93,6 @@ def _run_patch(module: types.ModuleType, target: str) -> None:
             module.__name__,
             exc,
         )
-
-
-def cap_in_force(environ: dict[str, str] | os._Environ = os.environ) -> bool:
-    """Whether this process belongs to an engine started with a cap: an
-    engine-core or worker process of one (the error relay is armed), or any
-    process with ``VLLM_KV_CACHE_MAX_MEMORY`` set."""
-    from vllm_kv_cache_limit.logic import envs
-
-    return bool(environ.get(envs.ERROR_FILE) or environ.get(envs.MAX_MEMORY, "").strip())
-
-
-def hook_failure_message(problems: list[str]) -> str:
-    """The error for hooks that could not be installed under a cap."""
-    return (
-        "vllm-kv-cache-limit could not install its hooks into vLLM, so "
-        "--kv-cache-max-memory cannot be enforced and start-up stops: "
-        + "; ".join(problems)
-        + ". Run without --kv-cache-max-memory (and VLLM_KV_CACHE_MAX_MEMORY), "
-        "or report this with your vLLM version."
-    )
 
 
 class _HookLoader:

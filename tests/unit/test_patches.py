@@ -700,19 +700,19 @@ def _run_failing_hook(env_extra: dict[str, str], *args: str) -> str:
 def test_hook_failure_under_a_cap_stops_naming_the_hook(tmp_path: Path) -> None:
     # An engine-core or worker process of a capped engine (the relay is armed).
     out = _run_failing_hook({envs.ERROR_FILE: str(tmp_path / "relay")})
-    assert "IMPORT_FAILED KVCacheMaxMemoryError" in out, out
+    assert "IMPORT_FAILED UnsupportedVLLMError" in out, out
     assert "hooks.cap.engine_core:patch on vllm.v1.engine.core failed: RuntimeError('simulated hook failure')" in out
     assert "simulated hook failure" in (tmp_path / "relay").read_text()  # reaches the first process
     # The cap from the environment: the same.
-    assert "IMPORT_FAILED KVCacheMaxMemoryError" in _run_failing_hook({"VLLM_KV_CACHE_MAX_MEMORY": "16M"})
+    assert "IMPORT_FAILED UnsupportedVLLMError" in _run_failing_hook({"VLLM_KV_CACHE_MAX_MEMORY": "16M"})
 
 
 def test_hook_failure_without_a_cap_warns_then_a_cap_stops_start_up(tiny_model: str) -> None:
     out = _run_failing_hook({}, tiny_model)
     assert "IMPORTED" in out, out
     assert "could not hook vllm.v1.engine.core" in out
-    assert "CONFIG_FAILED KVCacheMaxMemoryError" in out, out
-    assert "cannot be enforced and start-up stops: hooks.cap.engine_core:patch on vllm.v1.engine.core failed" in out
+    assert "CONFIG_FAILED UnsupportedVLLMError" in out, out
+    assert "Missing or changed hooks or attributes: hooks.cap.engine_core:patch on vllm.v1.engine.core failed" in out
 
 
 def test_bootstrap_module_map_comes_from_the_registry() -> None:

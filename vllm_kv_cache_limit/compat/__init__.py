@@ -36,6 +36,8 @@ from vllm_kv_cache_limit.compat.versions import (
     drift_message,
     installed_vllm_version,
     require_vllm,
+    stop_if_capped,
+    supported,
     version_supported,
 )
 
@@ -58,6 +60,8 @@ __all__ = [
     "class_has_attribute",
     "customize_attention_spec",
     "drift_message",
+    "stop_if_capped",
+    "supported",
     "for_version",
     "get_hook",
     "gpu_memory_utilization",

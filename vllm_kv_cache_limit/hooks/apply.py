@@ -28,16 +28,21 @@ _inactive_warned = False
 
 
 def hook_ok(hook: Hook) -> bool:
-    """Check one hook against the imported vLLM; warn once when it does not
-    fit, and tell the caller to leave vLLM untouched."""
-    global _inactive_warned
+    """Check one hook against the imported vLLM; when it does not fit, fail
+    closed (:func:`unenforced`) and tell the caller to leave vLLM untouched."""
     _, problem = compat.resolve_hook(hook)
     if problem is None:
         return True
-    if os.environ.get(envs.ERROR_FILE):
-        # An engine-core or worker process of an engine started with a cap:
-        # never leave the cap silently unenforced.
-        raise_cap_error(compat.drift_message([problem]))
+    unenforced(problem)
+    return False
+
+
+def unenforced(problem: str) -> None:
+    """A hook that cannot be applied: with a cap in force, the error that
+    stops start-up (``logic.fail_closed``); without one, a warning once per
+    launch, and vLLM runs unchanged."""
+    global _inactive_warned
+    compat.stop_if_capped([problem])
     if not _inactive_warned and not os.environ.get(envs.INACTIVE_WARNED):
         _inactive_warned = True
         # Engine-core and worker processes inherit this and stay quiet: one
@@ -51,7 +56,6 @@ def hook_ok(hook: Hook) -> bool:
             compat.SUPPORTED_VLLM[1],
             FLAG,
         )
-    return False
 
 
 def name_cap_when_refused(original: Callable, message: Callable[[dict[str, Any]], str | None]) -> Callable:

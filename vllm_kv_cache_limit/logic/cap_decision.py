@@ -77,7 +77,7 @@ def resolve_cap(argument: str | int | None, environ_value: str | None) -> int | 
     try:
         return parse_size(environ_value)
     except ValueError as exc:
-        raise ValueError(f"{ENV_VAR}: {exc}") from None
+        raise KVCacheMaxMemoryError(f"{ENV_VAR}: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from vllm_kv_cache_limit.logic.cap_decision import (
     check_cap_within_total,
     resolve_cap,
 )
-from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic.errors import UnsupportedVLLMError
 from vllm_kv_cache_limit.logic.relay import arm_error_relay
 from vllm_kv_cache_limit.logic.sizes import argparse_size, parse_size
 
@@ -182,13 +182,14 @@ def _carry_cap_into_config(original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         from vllm_kv_cache_limit import _bootstrap
 
+        # Fail closed (logic.fail_closed): the cap is in force from here on.
         if _bootstrap.failed:
-            raise KVCacheMaxMemoryError(_bootstrap.hook_failure_message(sorted(_bootstrap.failed.values())))
+            raise UnsupportedVLLMError(compat.drift_message(sorted(_bootstrap.failed.values())))
         total, device = device_total_memory()
         check_cap_within_total(cap, total, device)
         problems = compat.check_hooks_at_startup()
         if problems:
-            raise KVCacheMaxMemoryError(compat.drift_message(problems))
+            raise UnsupportedVLLMError(compat.drift_message(problems))
         startup_lock.lock_timeout()  # a bad value fails here, quoted
         config = original(self, *args, **kwargs)
         parallel_config = config.parallel_config

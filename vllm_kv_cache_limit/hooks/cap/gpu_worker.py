@@ -5,23 +5,20 @@ after profiling.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable
 from typing import Any
 
 from vllm_kv_cache_limit import compat
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
-from vllm_kv_cache_limit.hooks.apply import hook_ok
+from vllm_kv_cache_limit.hooks.apply import hook_ok, unenforced
 from vllm_kv_cache_limit.hooks.cap import ranks
 from vllm_kv_cache_limit.hooks.cap.worker_gate import Gate, check_cap_fits_instance, log_gate
 from vllm_kv_cache_limit.hooks.devices import cuda_free_memory
 from vllm_kv_cache_limit.hooks.wrap import wrap
-from vllm_kv_cache_limit.logic import envs
 from vllm_kv_cache_limit.logic.cap_decision import (
     utilization_ceiling,
 )
-from vllm_kv_cache_limit.logic.relay import raise_cap_error
 
 
 def patch(module: Any) -> None:
@@ -33,9 +30,10 @@ def patch(module: Any) -> None:
     ``Worker.determine_available_memory`` (after vLLM's own profiling, the
     cap against the budget when free memory set it; an explicit size against
     the free memory first)."""
-    if not hook_ok(REQUEST_MEMORY) or not hasattr(module, "request_memory"):
-        if os.environ.get(envs.ERROR_FILE):
-            raise_cap_error(compat.drift_message(["vllm.v1.worker.gpu_worker.request_memory is missing"]))
+    if not hook_ok(REQUEST_MEMORY):
+        return
+    if not hasattr(module, "request_memory"):  # imported under another name: nothing to wrap
+        unenforced("vllm.v1.worker.gpu_worker.request_memory is missing")
         return
     wrap(module, "request_memory", _ceiling_request_memory)
     if hook_ok(WORKER_DETERMINE_AVAILABLE_MEMORY) and hook_ok(ranks.GET_WORLD_GROUP):

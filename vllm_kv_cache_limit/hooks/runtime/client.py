@@ -110,7 +110,7 @@ def _checked(result: Any) -> dict[str, Any]:
     return dict(result)
 
 
-def _exception(reply: dict[str, Any]) -> KVCacheResizeError:
+def _exception(reply: dict[str, Any]) -> KVCacheResizeError | KVCacheResizeFailed:
     """The error an engine core's ``{"error": ...}`` reply is raised as."""
     return (KVCacheResizeFailed if reply.get("failed") else KVCacheResizeError)(reply["error"])
 
