@@ -2,7 +2,8 @@
 the module of ``hooks.cap`` (the cap) or ``hooks.runtime`` (run-time resize) named
 after the vLLM module it patches, as that module's ``HOOKS``; the module's
 ``TARGETS`` says which vLLM module's import runs which of its ``patch``
-functions. The start-up checks, ``make check-hooks``, the generated docs
+functions. A module is registered by being there: the lists below are read
+from the tree. The start-up checks, ``make check-hooks``, the generated docs
 table and ``_bootstrap``'s module map (a test derives it from here) all come
 from this registry.
 
@@ -13,34 +14,34 @@ first call.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm_kv_cache_limit.compat.entries import Hook
 
-CAP_MODULES = (
-    "hooks.cap.arg_utils",
-    "hooks.cap.engine_core",
-    "hooks.cap.engine_utils",
-    "hooks.cap.compilation",
-    "hooks.cap.gpu_worker",
-    "hooks.cap.cpu_worker",
-    "hooks.devices",
-    "hooks.cap.ranks",
-)
-"""The modules of the cap's hooks (a failing one stops a capped start-up)."""
-RESIZE_MODULES = (
-    "hooks.runtime.block_pool",
-    "hooks.runtime.engine_core",
-    "hooks.runtime.limit",
-    "hooks.runtime.worker",
-    "hooks.runtime.client",
-    "hooks.runtime.server",
-)
-"""The modules of run-time resize's hooks (optional: one that does not fit
-makes resizing refuse, never start-up)."""
+
+def _declaring(package: str) -> tuple[str, ...]:
+    """The modules of ``package`` (dotted, relative to this package) that
+    declare hooks, a ``HOOKS`` tuple at module level, sorted; found in their
+    source, so nothing is imported."""
+    folder = Path(__file__).resolve().parents[1].joinpath(*package.split("."))
+    return tuple(
+        f"{package}.{path.stem}"
+        for path in sorted(folder.glob("*.py"))
+        if path.stem != "__init__" and re.search(r"^HOOKS = \(", path.read_text(encoding="utf-8"), re.MULTILINE)
+    )
+
+
+CAP_MODULES = _declaring("hooks") + _declaring("hooks.cap")
+"""The modules of the cap's hooks (a failing one stops a capped start-up):
+``hooks/cap/`` and the helpers beside it in ``hooks/``."""
+RESIZE_MODULES = _declaring("hooks.runtime")
+"""The modules of run-time resize's hooks, ``hooks/runtime/`` (optional: one
+that does not fit makes resizing refuse, never start-up)."""
 
 
 def modules(names: tuple[str, ...]) -> list[ModuleType]:
