@@ -79,15 +79,14 @@ def instance_devices(vllm_config: Any, local_dp_rank: int | None = None) -> tupl
 
 def _local_gpu_ids(parallel_config: Any, local_dp_rank: int | None) -> list[int]:
     """The physical (NVML) indices of the GPUs of one engine's local workers,
-    by vLLM's own mapping: ``get_physical_gpu_ids_for_local_dp_rank`` (0.29
-    v1/engine/utils.py:341-386, 0.33 v1/engine/utils.py:439-484; vLLM shards a
+    by vLLM's own mapping: ``get_physical_gpu_ids_for_local_dp_rank``
+    (``vllm/v1/engine/utils.py``; vLLM shards a
     rank's devices with it, honouring CUDA_VISIBLE_DEVICES and --device-ids)
     at the rank the workers offset their device by (``_dp_device_rank``).
     Local indices 0..world-1 would name rank 0's GPUs in every rank: on CUDA
     vLLM does not narrow CUDA_VISIBLE_DEVICES per rank, neither in the first
     process nor in the engine cores (``CoreEngineProcManager`` sets a rank's
-    devices only on platforms other than CUDA and XPU, or with Ray: 0.29
-    v1/engine/utils.py:208-220, 0.33 v1/engine/utils.py:307-320); each worker
+    devices only on platforms other than CUDA and XPU, or with Ray); each worker
     adds the offset in ``Worker.init_device``."""
     from vllm.platforms import current_platform
     from vllm.v1.engine.utils import get_physical_gpu_ids_for_local_dp_rank
@@ -107,13 +106,11 @@ def _dp_device_rank(parallel_config: Any, local_dp_rank: int | None) -> int:
     device (local rank + rank x world size), or 0 where it adds none (a Ray
     or external-launcher backend, a replica spanning nodes). None: this
     engine's own rank, as the worker takes it (``data_parallel_rank_local``,
-    which ``run_engine_core`` sets to the local rank, 0.29 core.py:1303-1305,
-    0.33 core.py:1476-1478, and keeps when a dense model's rank runs as an
+    which ``run_engine_core`` sets to the local rank, and keeps when a dense model's rank runs as an
     independent engine, ``reconfigure_for_independent_dp_rank``; else
     ``data_parallel_index``). The same reading as vLLM's, which has no
-    function for it before 0.33: ``Worker.init_device`` in 0.29-0.32 (0.29
-    gpu_worker.py:353-370), ``ParallelConfig.get_local_gpu_index`` in 0.33
-    (config/parallel.py:842-856, from gpu_worker.py:454); the plugin does not
+    function for it before 0.33: ``Worker.init_device`` in 0.29-0.32,
+    ``ParallelConfig.get_local_gpu_index`` from 0.33; the plugin does not
     call the latter, so that one reading serves every supported release."""
     if (
         parallel_config.distributed_executor_backend in ("ray", "external_launcher")
@@ -132,8 +129,7 @@ def _launched_local_dp_ranks(parallel_config: Any) -> range:
     """The local data-parallel ranks whose engine cores the first process
     starts: ``data_parallel_size_local`` of them from ``data_parallel_rank_local``
     (unset: 0), as ``launch_core_engines`` hands them to
-    ``CoreEngineProcManager`` (0.29 v1/engine/utils.py:1114-1115, 1228-1230
-    and 184; 0.33 v1/engine/utils.py:1215-1216, 1374-1376 and 281)."""
+    ``CoreEngineProcManager``."""
     start = int(parallel_config.data_parallel_rank_local or 0)
     return range(start, start + int(parallel_config.data_parallel_size_local))
 
@@ -254,17 +250,15 @@ def cpu_node_memory(node: int) -> tuple[int, int, str]:
 def cpu_memory_node(parallel_config: Any) -> int:
     """The NUMA node a CPU worker's memory comes from, as vLLM's
     ``CPUWorker.__init__`` picks it, binds the worker's memory to
-    (``init_cpu_memory_env``) and, in 0.29-0.32, reads at its first gate (0.29
-    cpu_worker.py:45-95; 0.33 cpu_worker.py:48-78, no gate): the node of the first CPU
+    (``init_cpu_memory_env``) and, in 0.29-0.32, reads at its first gate (0.33 has
+    no such gate): the node of the first CPU
     this process may run on or, where that is not a visible memory node
     (CPU_VISIBLE_MEMORY_NODES; on 0.33 also this data-parallel rank's
     ``assigned_physical_gpu_ids``), the first visible one. In the worker the
     allowed CPUs are already the worker's own, before ``__init__``: the
     multiproc executor starts it, with the ``spawn`` method vLLM sets for
-    the CPU backend (0.29 platforms/cpu.py:347, 0.33 platforms/cpu.py:426), in
-    the OpenMP environment of its CPU list (``configure_omp_envs``, 0.29
-    v1/executor/multiproc_executor.py:188-192 and utils/ompmultiprocessing.py:71-121;
-    0.33 203-207 and 72-121), which the OpenMP runtime applies to the main
+    the CPU backend (``vllm/platforms/cpu.py``), in
+    the OpenMP environment of its CPU list (``configure_omp_envs``), which the OpenMP runtime applies to the main
     thread as torch loads."""
     from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_visible_memory_node
 

@@ -85,8 +85,8 @@ def _lower_cpu_request(worker: Any) -> None:
     if gate is None:
         return
     requested = worker.requested_cpu_memory  # compat.ATTRIBUTES
-    # vLLM's second gate reads the first allowed CPU's node (0.29
-    # cpu_worker.py:203-206, 0.33 cpu_worker.py:195-198): the memory node,
+    # vLLM's second gate (``determine_available_memory``) reads the first
+    # allowed CPU's node: the memory node,
     # except where that is not a visible memory node. The first gate's
     # request already keeps to the memory node; this only lowers it.
     free, _, _ = cpu_node_memory(int(get_allowed_cpu_list()[0].numa_node))
