@@ -97,8 +97,9 @@ test-smoke: $(SMOKE_VENV)/.deps
 # and without the plugin: the patch's own tests, then the cap's end-to-end
 # checks (pytest -m smoke; plugin-only ones skipped) with the same assertions
 # as against the plugin, "unchanged" compared with the same release unpatched
-# (.venv, plugin excluded); then upstream/vllm-0.33.0.patch applied to vLLM
-# 0.33.0's source (the CUDA wheel) and compiled.
+# (.venv, plugin excluded); then upstream/vllm-0.33.0.patch and
+# upstream/vllm-0.34.0.patch applied to their release's source (the CUDA wheel)
+# and compiled (their tests run under make test-upstream-cuda).
 # The environment is a copy of .venv (the same vLLM $(UPSTREAM_VERSION) CPU build,
 # never modified by the plugin, which hooks it at run time) with the plugin
 # uninstalled: minutes less than installing vLLM and torch a second time.
@@ -129,7 +130,7 @@ test-matrix:
 	done
 
 clean:
-	rm -rf $(VENV) .venv-cpu-* $(UPSTREAM_VENV) models .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-cpu-* $(UPSTREAM_VENV) .venv-upstream-cuda-* models .pytest_cache .hypothesis
 
 # vLLM's CUDA wheel (VLLM_VERSION, any release in the window) without a GPU,
 # in its own environment .venv-cuda-VERSION: the wheel, its requirements less
@@ -151,6 +152,36 @@ CUDA_VENV := .venv-cuda-$(VLLM_VERSION)
 	.venv-cuda-$*/bin/python -m pip install -q -r .venv-cuda-$*/requirements.txt \
 		hatchling packaging pytest pytest-mock pytest-timeout pytest-xdist hypothesis psutil
 	touch $@
+
+# upstream/vllm-$(VLLM_VERSION).patch on vLLM's CUDA wheel without a GPU. The
+# environment .venv-upstream-cuda-VERSION is a copy of .venv-cuda-VERSION (the
+# plugin never modifies vLLM on disk) with the plugin uninstalled and the patch
+# applied to its vLLM (patch -p1 -F0). Then the patch's own tests, run inside
+# the patched package on vLLM's CUDA platform over a faked device
+# (scripts/vllm_own_platform.py), and the differential against the plugin as
+# make test-cuda-wheel installed it (scripts/upstream_differential_cuda.py).
+# Outside .ci/run: about 2 minutes on 2 cores, 7 GB for the copy.
+UPSTREAM_CUDA_VENV := .venv-upstream-cuda-$(VLLM_VERSION)
+
+.PHONY: test-upstream-cuda
+
+$(UPSTREAM_CUDA_VENV)/.patched: $(CUDA_VENV)/.deps upstream/vllm-$(VLLM_VERSION).patch
+	rm -rf $(UPSTREAM_CUDA_VENV)
+	cp -a $(CUDA_VENV) $(UPSTREAM_CUDA_VENV)
+	$(UPSTREAM_CUDA_VENV)/bin/python -m pip uninstall -q -y vllm-kv-cache-limit || true
+	cd / && ! $(CURDIR)/$(UPSTREAM_CUDA_VENV)/bin/python -c "import vllm_kv_cache_limit" 2>/dev/null
+	site=$$(ls -d $(CURDIR)/$(UPSTREAM_CUDA_VENV)/lib/python3*/site-packages) && rm -rf $$site/tests && \
+		cd $$site && patch -p1 -F0 --no-backup-if-mismatch < $(CURDIR)/upstream/vllm-$(VLLM_VERSION).patch
+	touch $@
+
+test-upstream-cuda: $(UPSTREAM_CUDA_VENV)/.patched
+	cd $$(ls -d $(UPSTREAM_CUDA_VENV)/lib/python3*/site-packages) && PYTHONPATH=$(CURDIR)/scripts \
+		$(CURDIR)/$(UPSTREAM_CUDA_VENV)/bin/python -m pytest -q -p no:cacheprovider -p vllm_own_platform \
+		-c /dev/null --rootdir tests tests/v1/core/test_kv_cache_max_memory.py \
+		tests/engine/test_kv_cache_max_memory_args.py $(PYTEST_ARGS)
+	$(CUDA_VENV)/bin/python -m tests.tiny_model $(MODEL)
+	$(CUDA_VENV)/bin/python scripts/upstream_differential_cuda.py --model $(MODEL) \
+		--plugin-python $(CUDA_VENV)/bin/python --upstream-python $(UPSTREAM_CUDA_VENV)/bin/python
 
 test-cuda-wheel: $(CUDA_VENV)/.deps
 	$(CUDA_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation --force-reinstall .

@@ -4,7 +4,7 @@ CUDA wheel's ``vllm/`` tree, which is the repository's ``vllm/``) in a
 temporary folder, with ``patch -p1`` and no fuzz, and compile every file the
 patch touches.
 
-    scripts/check_upstream_patch.py              # 0.33.0
+    scripts/check_upstream_patch.py              # 0.33.0 and 0.34.0
     scripts/check_upstream_patch.py 0.32.0 0.33.0
 
 The wheel comes from ``.cache/wheels`` or is fetched there as for
@@ -74,7 +74,9 @@ def check(version: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("versions", nargs="*", default=["0.33.0"], help="vLLM releases with a patch in upstream/")
+    parser.add_argument(
+        "versions", nargs="*", default=["0.33.0", "0.34.0"], help="vLLM releases with a patch in upstream/"
+    )
     args = parser.parse_args(argv)
     ok = True
     for version in args.versions:
