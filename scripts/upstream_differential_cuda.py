@@ -109,12 +109,8 @@ def _run_case(fakes: types.ModuleType, model: str, args: dict[str, Any], free: i
     import pytest
     import torch
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.mem_utils import MemorySnapshot
-    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
     from vllm.v1.engine import core as engine_core
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    from vllm.v1.worker import gpu_worker
     from vllm.v1.worker.worker_base import CompilationTimes
 
     monkeypatch = pytest.MonkeyPatch()
@@ -124,30 +120,13 @@ def _run_case(fakes: types.ModuleType, model: str, args: dict[str, Any], free: i
         monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "cudaMallocAsync")
         config = EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, **args).create_engine_config()
         # The GPU worker after init_device and load_model (no process group, no device).
-        worker = object.__new__(gpu_worker.Worker)
-        worker.vllm_config = config
-        worker.cache_config = config.cache_config
-        worker.model_config = config.model_config
-        worker.parallel_config = config.parallel_config
-        worker.local_rank = worker.rank = 0
-        worker.device = torch.device("cuda:0")
-        worker.init_snapshot = MemorySnapshot(device="cuda:0")
-        worker.requested_memory = gpu_worker.request_memory(worker.init_snapshot, worker.cache_config, 0)
+        worker = fakes.bare_gpu_worker(config)
         gpu.allocate(WEIGHTS)
         worker.model_runner = _ProfiledRunner(gpu)
         budget = worker.determine_available_memory()
         # The engine core: the plan, then with the extensible KV cache its final size.
-        model_config = config.model_config
-        spec = FullAttentionSpec(
-            block_size=config.cache_config.block_size,
-            num_kv_heads=model_config.get_num_kv_heads(config.parallel_config),
-            head_size=model_config.get_head_size(),
-            dtype=torch.float16,
-        )
-        layers = model_config.get_num_layers(config.parallel_config)
-        specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(layers)}]
-        resolve_kv_cache_layout(config, [["LBNHC"]], [spec])
-        groups = engine_core.get_global_kv_cache_groups(config, specs)
+        spec, specs, groups = fakes.attention_specs(config)
+        layers = len(specs[0])
         configs = engine_core.get_kv_cache_configs(config, specs, [budget], groups)
         scheduler_config = generate_scheduler_kv_cache_config(configs)
         block_bytes = spec.page_size_bytes * layers

@@ -225,3 +225,45 @@ def install_fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeGPU:
         if name.startswith("vllm.") and getattr(module, "current_platform", None) is detected:
             monkeypatch.setattr(module, "current_platform", platform)
     return gpu
+
+
+def attention_specs(config: Any) -> tuple[Any, list[dict[str, Any]], Any]:
+    """The tiny model's KV cache spec as its workers would report it (one
+    full-attention layer kind, fp16), the layout every worker backend
+    supports resolved, and vLLM's global KV cache groups: what the engine
+    core plans with, no worker started."""
+    import torch
+    import vllm.v1.engine.core as engine_core
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    model = config.model_config
+    spec = FullAttentionSpec(
+        block_size=config.cache_config.block_size,
+        num_kv_heads=model.get_num_kv_heads(config.parallel_config),
+        head_size=model.get_head_size(),
+        dtype=torch.float16,
+    )
+    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(model.get_num_layers(config.parallel_config))}]
+    resolve_kv_cache_layout(config, [["LBNHC"]], [spec])
+    return spec, specs, engine_core.get_global_kv_cache_groups(config, specs)
+
+
+def bare_gpu_worker(config: Any) -> Any:
+    """vLLM's GPU worker as ``init_device`` leaves it: its start-up snapshot
+    and request taken through the plugin's gate. Built without ``__init__``
+    (no process group, no real device)."""
+    import torch
+    from vllm.utils.mem_utils import MemorySnapshot
+    from vllm.v1.worker import gpu_worker
+
+    worker = object.__new__(gpu_worker.Worker)
+    worker.vllm_config = config
+    worker.cache_config = config.cache_config
+    worker.model_config = config.model_config
+    worker.parallel_config = config.parallel_config
+    worker.local_rank = worker.rank = 0
+    worker.device = torch.device("cuda:0")
+    worker.init_snapshot = MemorySnapshot(device="cuda:0")
+    worker.requested_memory = gpu_worker.request_memory(worker.init_snapshot, worker.cache_config, 0)
+    return worker

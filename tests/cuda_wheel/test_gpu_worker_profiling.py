@@ -15,11 +15,10 @@ import logging
 
 import pytest
 from vllm.engine.arg_utils import EngineArgs
-from vllm.utils.mem_utils import MemorySnapshot
 from vllm.v1.worker import gpu_worker as vllm_gpu_worker
 
 from tests.conftest import TEST_MAX_MODEL_LEN
-from tests.cuda_wheel.conftest import FakeGPU, GiB
+from tests.cuda_wheel.conftest import FakeGPU, GiB, bare_gpu_worker
 from vllm_kv_cache_limit.hooks.cap import worker_gate
 from vllm_kv_cache_limit.hooks.wrap import WRAPPED
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
@@ -50,14 +49,7 @@ def _started_worker(gpu: FakeGPU, model: str, cap: str | None) -> vllm_gpu_worke
     snapshot and request taken through the plugin's gate, then its weights
     loaded. Built without ``__init__`` (no process group, no real device)."""
     config = EngineArgs(model=model, max_model_len=TEST_MAX_MODEL_LEN, kv_cache_max_memory=cap).create_engine_config()
-    worker = object.__new__(vllm_gpu_worker.Worker)
-    worker.vllm_config = config
-    worker.cache_config = config.cache_config
-    worker.model_config = config.model_config
-    worker.parallel_config = config.parallel_config
-    worker.local_rank = worker.rank = 0
-    worker.init_snapshot = MemorySnapshot(device="cuda:0")
-    worker.requested_memory = vllm_gpu_worker.request_memory(worker.init_snapshot, worker.cache_config, 0)
+    worker = bare_gpu_worker(config)
     gpu.allocate(WEIGHTS)
     worker.model_runner = _ProfiledRunner(gpu)
     return worker

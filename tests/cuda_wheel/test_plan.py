@@ -10,7 +10,7 @@ import json
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
-from tests.cuda_wheel.conftest import FakeGPU, GiB
+from tests.cuda_wheel.conftest import FakeGPU, GiB, attention_specs
 from vllm_kv_cache_limit import compat
 from vllm_kv_cache_limit.plan import main
 
@@ -41,7 +41,6 @@ def test_the_suggested_cap_gives_vllm_the_planned_blocks(fake_gpu: FakeGPU, tiny
     plan's ``suggested_num_blocks``: three requests of ``max_model_len``
     plus the null block."""
     import vllm.v1.engine.core as engine_core
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     if not hasattr(engine_core, "get_global_kv_cache_groups"):
         pytest.skip(f"vLLM {compat.installed_vllm_version()} plans KV cache groups inside get_kv_cache_configs")
@@ -50,17 +49,6 @@ def test_the_suggested_cap_gives_vllm_the_planned_blocks(fake_gpu: FakeGPU, tiny
     config = EngineArgs(
         model=tiny_model, max_model_len=MAX_MODEL_LEN, kv_cache_max_memory=plan["suggested_bytes"]
     ).create_engine_config()
-    model = config.model_config
-    spec = FullAttentionSpec(
-        block_size=config.cache_config.block_size,
-        num_kv_heads=model.get_num_kv_heads(config.parallel_config),
-        head_size=model.get_head_size(),
-        dtype=model.dtype,
-    )
-    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(model.get_num_layers(config.parallel_config))}]
-    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-
-    resolve_kv_cache_layout(config, [["LBNHC"]], [spec])
-    groups = engine_core.get_global_kv_cache_groups(config, specs)
+    _, specs, groups = attention_specs(config)
     configs = engine_core.get_kv_cache_configs(config, specs, [8 * GiB], groups)
     assert configs[0].num_blocks == plan["suggested_num_blocks"]
