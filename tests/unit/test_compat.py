@@ -734,7 +734,7 @@ def test_capped_start_fails_naming_a_missing_attribute(monkeypatch: pytest.Monke
     before vLLM's own runs."""
     from types import SimpleNamespace
 
-    from vllm_kv_cache_limit.logic.cap_decision import KVCacheMaxMemoryError
+    from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 
     gone = compat.Attribute(("vllm.utils.mem_utils",), "MemorySnapshot", "device_v2", "test")
     monkeypatch.setattr(compat.attributes, "ATTRIBUTES", (*compat.ATTRIBUTES, gone))
@@ -751,7 +751,7 @@ def test_resize_refuses_naming_a_missing_attribute(monkeypatch: pytest.MonkeyPat
     core and before the client touches the engine: it refuses naming it."""
     from types import SimpleNamespace
 
-    from vllm_kv_cache_limit.logic.limit_math import KVCacheResizeError
+    from vllm_kv_cache_limit.logic.errors import KVCacheResizeError
 
     gone = compat.Attribute(("vllm.v1.core.sched.scheduler",), "Scheduler", "running_queue", "test")
     monkeypatch.setattr(compat.attributes, "RESIZE_ATTRIBUTES", (*compat.RESIZE_ATTRIBUTES, gone))

@@ -22,7 +22,7 @@ import vllm_kv_cache_limit.hooks.cap.worker_gate  # noqa: F401
 from vllm_kv_cache_limit import _bootstrap, hooks, register
 from vllm_kv_cache_limit.config import FIELD
 from vllm_kv_cache_limit.logic import envs
-from vllm_kv_cache_limit.logic.cap_decision import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 
 GiB = 2**30
 MiB = 2**20

@@ -274,7 +274,8 @@ def test_too_small_message_without_estimate() -> None:
 
 
 def test_cap_error_found_in_the_chain_and_as_ray_cause() -> None:
-    from vllm_kv_cache_limit.logic.cap_decision import FLAG, KVCacheMaxMemoryError, cap_error_message
+    from vllm_kv_cache_limit.logic.cap_decision import FLAG, cap_error_message
+    from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 
     cap = KVCacheMaxMemoryError(f"{FLAG} 16MiB is too large")
     try:

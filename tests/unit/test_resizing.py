@@ -100,7 +100,7 @@ class _FailingEngineCore:
 
 
 def test_a_change_that_fails_inside_vllm_is_rolled_back(pool) -> None:
-    from vllm_kv_cache_limit.logic.limit_math import KVCacheResizeFailed
+    from vllm_kv_cache_limit.logic.errors import KVCacheResizeFailed
 
     held = pool.get_new_blocks(BLOCKS - 1)
     pool.free_blocks([b for b in held if b.block_id not in (6, 7)])  # the request keeps blocks 6 and 7
@@ -187,9 +187,11 @@ def test_route_answers_a_failure_inside_vllm_with_500_and_bad_input_with_400(rep
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
+    from vllm_kv_cache_limit.hooks.runtime import server
+
     register()
     app = FastAPI()
-    app.include_router(hooks.runtime.server._router(SimpleNamespace(api_key=["k"], kv_cache_max_memory=None)))
+    app.include_router(server._router(SimpleNamespace(api_key=["k"], kv_cache_max_memory=None)))
     core = _CoreClient(reply)
     app.state.engine_client = SimpleNamespace(engine_core=core)
     answer = TestClient(app).post(

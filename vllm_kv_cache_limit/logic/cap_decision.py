@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from vllm_kv_cache_limit.logic import envs
-from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError as KVCacheMaxMemoryError  # re-exported
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 from vllm_kv_cache_limit.logic.sizes import format_gib, format_size, parse_size
 
 __all__ = [
@@ -24,7 +24,6 @@ __all__ = [
     "ENV_VAR",
     "FLAG",
     "CapDecision",
-    "KVCacheMaxMemoryError",
     "cap_explicit_size",
     "cap_block_override",
     "check_cap_fits_before_load",

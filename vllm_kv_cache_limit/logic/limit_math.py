@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_kv_cache_limit.logic.errors import KVCacheResizeError
-from vllm_kv_cache_limit.logic.errors import KVCacheResizeFailed as KVCacheResizeFailed  # re-exported
 from vllm_kv_cache_limit.logic.sizes import format_size, parse_size
 
 MODES = ("drain", "preempt")
