@@ -7,6 +7,10 @@ with it installed and unused (no cap), and compare the outcomes test by test.
     scripts/vllm_own_tests.py 0.34.0
     scripts/vllm_own_tests.py 0.34.0 tests/v1/core/test_scheduler.py   # other files of vLLM's tests/
 
+By default the files of :data:`TEST_FILES` the release has: one new in a
+later release (its ``since``) is skipped and named; one that should be there
+and is not stops the run (exit status 2), as does a named file that is not.
+
 The tests come from vLLM's source distribution: ``pip download -vv`` names
 its address (then fails to prepare its metadata, a CUDA build never needed
 here); the file is fetched from there into ``.cache/sdists`` and only its
@@ -52,14 +56,25 @@ from vllm_kv_cache_limit.logic import envs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
+
+
+@dataclass(frozen=True)
+class OwnTestFile:
+    """A file of vLLM's ``tests/`` and the first release whose source
+    distribution has it (None: every supported release)."""
+
+    path: str
+    since: str | None = None
+
+
 TEST_FILES = (
-    "tests/v1/core/test_scheduler.py",
-    "tests/v1/core/test_prefix_caching.py",
-    "tests/v1/core/test_kv_cache_utils.py",
-    "tests/v1/worker/test_extensible_kv_cache.py",
+    OwnTestFile("tests/v1/core/test_scheduler.py"),
+    OwnTestFile("tests/v1/core/test_prefix_caching.py"),
+    OwnTestFile("tests/v1/core/test_kv_cache_utils.py"),
+    OwnTestFile("tests/v1/worker/test_extensible_kv_cache.py", since="0.34"),
 )
 """vLLM's tests of the scheduler, block pool, KV cache sizing and the
-extensible KV cache: the code the plugin hooks or reads."""
+extensible KV cache (new in vLLM 0.34): the code the plugin hooks or reads."""
 MODEL_CONFIGS: dict[str, dict[str, object]] = {
     "facebook/opt-125m": {
         "architectures": ["OPTForCausalLM"],
@@ -141,6 +156,28 @@ OUTCOME_ORDER = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "
 
 class RunError(RuntimeError):
     """A run could not be made or proves nothing."""
+
+
+def release_files(version: str, root: Path) -> tuple[list[str], list[str]]:
+    """The files of :data:`TEST_FILES` that vLLM ``version``'s tests in
+    ``root`` should have, and one line per file left out as new in a later
+    release. A left-out file that is there after all is an error: its
+    ``since`` is wrong."""
+    from packaging.version import Version
+
+    release = Version(version).release
+    files, left_out = [], []
+    for test_file in TEST_FILES:
+        if test_file.since is None or release >= Version(test_file.since).release:
+            files.append(test_file.path)
+        elif (root / test_file.path).is_file():
+            raise RunError(
+                f"vLLM {version}'s source distribution has {test_file.path}, listed as new in "
+                f"{test_file.since}: correct its since in TEST_FILES"
+            )
+        else:
+            left_out.append(f"{test_file.path} (new in vLLM {test_file.since})")
+    return files, left_out
 
 
 def sdist_url(version: str, pip_output: str) -> str | None:
@@ -336,7 +373,9 @@ def check_plugin_states(without: Run, with_plugin: Run) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("version", help="the vLLM release (its CUDA wheel installed in .venv-cuda-VERSION)")
-    parser.add_argument("files", nargs="*", default=list(TEST_FILES), help="test files of vLLM's tests/")
+    parser.add_argument(
+        "files", nargs="*", help="test files of vLLM's tests/ (default: those of TEST_FILES the release has)"
+    )
     parser.add_argument("--python", type=Path, help="the environment's interpreter (.venv-cuda-VERSION/bin/python)")
     args = parser.parse_args(argv)
     python = args.python or REPO / f".venv-cuda-{args.version}" / "bin" / "python"
@@ -357,12 +396,15 @@ def main(argv: list[str] | None = None) -> int:
         if versions["vllm-kv-cache-limit"] is None:
             raise RunError(f"the plugin is not installed in {python}: make test-cuda-wheel VLLM_VERSION={args.version}")
         ensure_requirements(python)
-        missing = [name for name in args.files if not (root / name).is_file()]
+        files, left_out = (args.files, []) if args.files else release_files(args.version, root)
+        for line in left_out:
+            print(f"skipped {line}: not in vLLM {args.version}")
+        missing = [name for name in files if not (root / name).is_file()]
         if missing:
             raise RunError(f"vLLM {args.version}'s source distribution has no {', '.join(missing)}")
         runs = []
         for label, plugins in (("without-plugin", ""), ("with-plugin", None)):
-            run = run_tests(python, root, args.files, plugins, label, logs)
+            run = run_tests(python, root, files, plugins, label, logs)
             where = 'VLLM_PLUGINS=""' if plugins == "" else "plugin installed, no cap"
             hooked = (
                 f"; hooks ran on {len(run.hooks.get('modules', []))} vLLM modules" if run.hooks["installed"] else ""
@@ -382,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  - {line}")
         print(f"{len(differing)} of {total} tests differ with the plugin installed and unused (logs: {logs})")
         return EXIT_DIFFERENT
-    print(f"same outcome for all {total} tests with and without the plugin ({counts(without.outcomes)})")
+    skipped = f"; skipped, not in {args.version}: {', '.join(left_out)}" if left_out else ""
+    print(f"same outcome for all {total} tests with and without the plugin ({counts(without.outcomes)}){skipped}")
     return 0
 
 

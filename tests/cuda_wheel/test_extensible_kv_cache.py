@@ -12,14 +12,26 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.engine.arg_utils import EngineArgs
-from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.worker.worker_base import CompilationTimes
+import vllm.v1.engine.core
 
-from tests.conftest import TEST_MAX_MODEL_LEN
-from tests.cuda_wheel.conftest import FakeGPU, GiB
-from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.compat import installed_vllm_version
+
+if not hasattr(vllm.v1.engine.core, "finalize_extensible_kv_cache"):
+    # Decided from the installed vLLM: the extensible KV cache is new in 0.34.
+    pytest.skip(
+        f"vLLM {installed_vllm_version()} has no extensible KV cache "
+        "(no vllm.v1.engine.core.finalize_extensible_kv_cache; new in vLLM 0.34)",
+        allow_module_level=True,
+    )
+
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.worker.worker_base import CompilationTimes  # noqa: E402
+
+from tests.conftest import TEST_MAX_MODEL_LEN  # noqa: E402
+from tests.cuda_wheel.conftest import FakeGPU, GiB  # noqa: E402
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError  # noqa: E402
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""Run-time resize and autoscaling on vLLM 0.34's real scheduler: requests
+"""Run-time resize and autoscaling on vLLM's real scheduler (0.29-0.34): requests
 added, scheduled, finished, aborted and preempted by vLLM's own
 ``Scheduler``, ``KVCacheManager`` and ``BlockPool`` (with the plugin's
 hooks on the block pool) while the limit is lowered, raised and autoscaled.
@@ -22,6 +22,7 @@ limit is logical).
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -64,6 +65,8 @@ MAX_TOKENS = 4
 are taken only when a request is scheduled from the waiting queue."""
 EOS_TOKEN_ID = 50256
 SAMPLED_TOKEN_ID = 7
+_ROWS_BY_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+"""Whether this vLLM's ``ModelRunnerOutput`` has ``req_id_to_index`` (0.29-0.33)."""
 LIMIT = 11
 """The lowered limit: blocks 1-10 usable. Six requests of 3 blocks hold 1-18;
 request 3 holds 10-12, across it."""
@@ -89,8 +92,12 @@ class _Workers:
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> Future:
         """One sampled token per scheduled request (every prompt here fits in one step)."""
         req_ids = list(scheduler_output.num_scheduled_tokens)
+        # vLLM 0.29-0.33's output also maps each request to its row (0.34 reads the row from req_ids).
+        rows = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} if _ROWS_BY_INDEX else {}
         output: Future = Future()
-        output.set_result(ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[SAMPLED_TOKEN_ID] for _ in req_ids]))
+        output.set_result(
+            ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[SAMPLED_TOKEN_ID] for _ in req_ids], **rows)
+        )
         return output
 
     def releases(self) -> list[tuple[Any, ...]]:

@@ -195,6 +195,46 @@ def test_main_exits_1_and_lists_the_tests_that_differ(
     )
 
 
+def test_a_release_runs_the_files_it_has_and_skips_those_new_in_a_later_one(own: ModuleType, tmp_path: Path) -> None:
+    root = tmp_path / "vllm-0.33.0"
+    older = [f.path for f in own.TEST_FILES if f.since is None]
+    newer = [f for f in own.TEST_FILES if f.since is not None]
+    assert "tests/v1/worker/test_extensible_kv_cache.py" in [f.path for f in newer]
+    for path in older:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("")
+    files, left_out = own.release_files("0.33.0", root)
+    assert files == older
+    assert left_out == [f"{f.path} (new in vLLM {f.since})" for f in newer]
+    assert own.release_files("0.34.0", root) == ([f.path for f in own.TEST_FILES], [])
+    # A file listed as new in a later release but there after all: its since is wrong.
+    (root / newer[0].path).parent.mkdir(parents=True, exist_ok=True)
+    (root / newer[0].path).write_text("")
+    with pytest.raises(own.RunError, match="correct its since"):
+        own.release_files("0.33.0", root)
+
+
+def test_a_file_the_release_should_have_and_lacks_fails_the_step(
+    own: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    python = tmp_path / "python"
+    python.write_text("")
+    root = tmp_path / "vllm-0.33.0"
+    for test_file in own.TEST_FILES[1:]:
+        if test_file.since is None:
+            (root / test_file.path).parent.mkdir(parents=True, exist_ok=True)
+            (root / test_file.path).write_text("")
+    monkeypatch.setattr(own, "download_sdist", lambda version, sdists: tmp_path / "vllm-0.33.0.tar.gz")
+    monkeypatch.setattr(own, "extract_tests", lambda sdist, dest: root)
+    monkeypatch.setattr(own, "environment_versions", lambda p: {"vllm": "0.33.0", "vllm-kv-cache-limit": "0.1.0"})
+    monkeypatch.setattr(own, "ensure_requirements", lambda p: None)
+    monkeypatch.setattr(own, "run_tests", lambda *args: pytest.fail("ran without a file the release should have"))
+    assert own.main(["0.33.0", "--python", str(python)]) == own.EXIT_NO_RUN
+    out = capsys.readouterr().out
+    assert f"has no {own.TEST_FILES[0].path}" in out.splitlines()[-1]
+    assert "skipped tests/v1/worker/test_extensible_kv_cache.py (new in vLLM 0.34): not in vLLM 0.33.0" in out
+
+
 def test_the_sdist_address_is_read_from_pip(own: ModuleType) -> None:
     output = (
         "  Found link https://files.example/packages/92/vllm-0.33.0.tar.gz (from https://example/simple/vllm/), version: 0.33.0\n"
