@@ -11,7 +11,6 @@ import logging
 from typing import Any
 
 import pytest
-import torch
 import vllm.v1.engine.core
 
 from vllm_kv_cache_limit.compat import installed_vllm_version
@@ -25,12 +24,10 @@ if not hasattr(vllm.v1.engine.core, "finalize_extensible_kv_cache"):
     )
 
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.worker.worker_base import CompilationTimes  # noqa: E402
 
 from tests.conftest import TEST_MAX_MODEL_LEN  # noqa: E402
-from tests.cuda_wheel.conftest import FakeGPU, GiB  # noqa: E402
+from tests.cuda_wheel.conftest import FakeGPU, GiB, attention_specs  # noqa: E402
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError  # noqa: E402
 
 MiB = 1 << 20
@@ -46,18 +43,7 @@ def _plan(tiny_model: str, cap: str | None, available: int, **kwargs):
         model=tiny_model, max_model_len=TEST_MAX_MODEL_LEN, enable_extensible_kv_cache=True, **args, **kwargs
     ).create_engine_config()
     assert config.cache_config.enable_extensible_kv_cache
-    model = config.model_config
-    spec = FullAttentionSpec(
-        block_size=config.cache_config.block_size,
-        num_kv_heads=model.get_num_kv_heads(config.parallel_config),
-        head_size=model.get_head_size(),
-        dtype=torch.float16,
-    )
-    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(model.get_num_layers(config.parallel_config))}]
-    # As the engine core does before planning, with the layout every
-    # backend of the workers supports (the workers are not started here).
-    resolve_kv_cache_layout(config, [["LBNHC"]], [spec])
-    groups = engine_core.get_global_kv_cache_groups(config, specs)
+    spec, specs, groups = attention_specs(config)
     configs = engine_core.get_kv_cache_configs(config, specs, [available], groups)
     scheduler_config = configs[0].__class__(
         num_blocks=configs[0].num_blocks,

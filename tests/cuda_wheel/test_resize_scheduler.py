@@ -8,8 +8,8 @@ Real: the scheduler, built as vLLM's own scheduler tests build it
 config of the repository's tiny Llama and a small ``KVCacheConfig`` (one
 full-attention group, 41 blocks of 16 tokens, no model runner); vLLM's
 ``EngineCore.step`` and ``abort_requests``, as the plugin wraps them; the
-plugin's ``kv_cache_limit_set``, ``kv_cache_limit_status`` and
-``kv_cache_limit_autoscale_start``, as it installs them on ``EngineCore``.
+plugin's ``kv_cache_limit_set`` and ``kv_cache_limit_status``, as it
+installs them on ``EngineCore``, and its ``start_autoscaling``.
 
 Faked: the workers and the device. The engine core is vLLM's ``EngineCore``
 built without ``__init__`` (no processes, no model), and its executor answers
@@ -47,6 +47,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from tests.cuda_wheel.conftest import FakeGPU
 from vllm_kv_cache_limit.hooks.runtime import autoscaler
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
+from vllm_kv_cache_limit.hooks.runtime.engine_core import start_autoscaling
 from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState, RuntimeLimit
 from vllm_kv_cache_limit.logic import limit_math
 
@@ -432,14 +433,14 @@ def test_raising_the_limit_gives_the_withheld_blocks_back(fake_gpu: FakeGPU, tin
 @pytest.fixture
 def autoscaled(fake_gpu: FakeGPU, tiny_model: str) -> Iterator[EngineCore]:
     """An engine core started with ``--kv-cache-autoscale`` (no shared
-    budget) through the plugin's ``kv_cache_limit_autoscale_start``; its
+    budget) through the plugin's ``start_autoscaling``; its
     in-process timer stopped, so that only the test's steps decide."""
     core = _engine_core(_scheduler(tiny_model))
     cache_config = core.vllm_config.cache_config
     setattr(cache_config, autoscaler.AUTOSCALE, True)
     setattr(cache_config, autoscaler.MIN_MEMORY, None)
     setattr(cache_config, autoscaler.SHARED_BUDGET, None)
-    core.kv_cache_limit_autoscale_start()
+    start_autoscaling(core)
     scaler = EngineCoreState.of(core).autoscaler
     assert isinstance(scaler, Autoscaler)
     scaler.stop.set()

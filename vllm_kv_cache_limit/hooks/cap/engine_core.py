@@ -24,7 +24,6 @@ from vllm_kv_cache_limit.logic.cap_decision import (
     cap_error_message,
     too_small_message,
 )
-from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 from vllm_kv_cache_limit.logic.kv_cache import backing_bytes
 from vllm_kv_cache_limit.logic.relay import relay_cap_error
 from vllm_kv_cache_limit.logic.sizes import format_gib, format_size
@@ -105,25 +104,15 @@ def _hold_startup_lock(original: Callable) -> Callable:
     return __init__
 
 
-AUTOSCALE_START = "kv_cache_limit_autoscale_start"
-"""The ``EngineCore`` method run-time resize adds (``hooks.runtime.engine_core``)
-that starts autoscaling; called by name, as vLLM's clients call its
-utility methods, since the cap's hooks do not import resizing."""
-
-
 def _start_autoscaling(engine_core: Any, vllm_config: Any) -> None:
     """With ``--kv-cache-autoscale``, start it before the start-up lock is
     released (its pages above the floor go back first); fail closed when
     run-time resize is not there to do it."""
     if not getattr(vllm_config.cache_config, "kv_cache_autoscale", False):
         return
-    start = getattr(engine_core, AUTOSCALE_START, None)
-    if start is None:
-        raise KVCacheMaxMemoryError(
-            "--kv-cache-autoscale cannot work in this vLLM: run-time resize's EngineCore methods could not be "
-            "added (see the warning above naming the hook)."
-        )
-    start()
+    from vllm_kv_cache_limit.hooks.runtime.engine_core import start_autoscaling
+
+    start_autoscaling(engine_core)  # refuses, naming the hook, where resizing cannot work
 
 
 def _cap_kv_cache_configs(original: Callable) -> Callable:

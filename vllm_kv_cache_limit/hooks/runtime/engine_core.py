@@ -35,7 +35,6 @@ def patch(module: Any) -> None:
     def apply() -> None:
         module.EngineCore.kv_cache_limit_set = _kv_cache_limit_set
         module.EngineCore.kv_cache_limit_status = _kv_cache_limit_status
-        module.EngineCore.kv_cache_limit_autoscale_start = _autoscale_start
 
     optional(ENGINE_CORE, apply)
     for hook in (ENGINE_CORE_STEP, ENGINE_CORE_STEP_WITH_BATCH_QUEUE, ENGINE_CORE_ABORT_REQUESTS):
@@ -252,7 +251,7 @@ def _kv_cache_limit_status(self: Any) -> dict[str, Any]:
     return status
 
 
-def _autoscale_start(self: Any) -> None:
+def start_autoscaling(self: Any) -> None:
     """With ``--kv-cache-autoscale``: once the KV cache is allocated (the
     start-up lock still held), take a place in the shared budget's ledger,
     set the limit to the floor and return the pages above it to the OS, so
@@ -378,7 +377,7 @@ ENGINE_CORE_SHUTDOWN = Hook(
     remove_when=RESIZE_REMOVE,
 )
 
-# Called, not wrapped: a KV cache group's blocks per request (``_read_allocation``, ``_autoscale_start``).
+# Called, not wrapped: a KV cache group's blocks per request (``_read_allocation``, ``start_autoscaling``).
 KV_CACHE_SPEC_MAX_MEMORY_USAGE_BYTES = Hook(
     ("vllm.v1.kv_cache_interface",), "KVCacheSpec.max_memory_usage_bytes", ("self", "vllm_config")
 )
