@@ -165,12 +165,17 @@ def test_a_comparison_with_the_plugin_off_in_both_runs_proves_nothing(own: Modul
         own.check_plugin_states(on, on)
 
 
+def _python_and_source(tmp_path: Path, version: str) -> tuple[Path, Path]:
+    """A stand-in interpreter path and where vLLM ``version``'s source would be unpacked."""
+    python = tmp_path / "python"
+    python.write_text("")
+    return python, tmp_path / f"vllm-{version}"
+
+
 def test_main_exits_1_and_lists_the_tests_that_differ(
     own: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    python = tmp_path / "python"
-    python.write_text("")
-    root = tmp_path / "vllm-9.9.9"
+    python, root = _python_and_source(tmp_path, "9.9.9")
     (root / "tests").mkdir(parents=True)
     (root / "tests" / "test_a.py").write_text("")
     monkeypatch.setattr(own, "download_sdist", lambda version, sdists: tmp_path / "vllm-9.9.9.tar.gz")
@@ -217,9 +222,7 @@ def test_a_release_runs_the_files_it_has_and_skips_those_new_in_a_later_one(own:
 def test_a_file_the_release_should_have_and_lacks_fails_the_step(
     own: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    python = tmp_path / "python"
-    python.write_text("")
-    root = tmp_path / "vllm-0.33.0"
+    python, root = _python_and_source(tmp_path, "0.33.0")
     for test_file in own.TEST_FILES[1:]:
         if test_file.since is None:
             (root / test_file.path).parent.mkdir(parents=True, exist_ok=True)
