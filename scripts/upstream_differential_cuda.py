@@ -111,6 +111,7 @@ def _run_case(fakes: types.ModuleType, model: str, args: dict[str, Any], free: i
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
     from vllm.v1.engine import core as engine_core
+    from vllm.v1.worker import gpu_worker  # noqa: F401  before the fake: its import asks vLLM's kernels about fp8 on CUDA
     from vllm.v1.worker.worker_base import CompilationTimes
 
     monkeypatch = pytest.MonkeyPatch()
@@ -204,12 +205,15 @@ def main(argv: list[str] | None = None) -> int:
         "activation peak 1 GiB) | plugin | patched vLLM | same |"
     )
     print("| --- | --- | --- | --- |")
-    same = 0
+    same = broken = 0
     for (case_args, free, measured), a, b in zip(CASES, plugin["results"], patched["results"], strict=True):
         same += a == b
+        broken += a.startswith("error: ") or b.startswith("error: ")  # failed, and not on the cap
         print(f"| {_describe(case_args, free, measured)} | {a} | {b} | {'yes' if a == b else '**no**'} |")
     print(f"\n{same} of {len(CASES)} cases the same.")
-    return 0 if same == len(CASES) else 1
+    if broken:
+        print(f"{broken} case(s) failed for a reason other than the cap: the comparison itself is broken.")
+    return 0 if same == len(CASES) and not broken else 1
 
 
 if __name__ == "__main__":
