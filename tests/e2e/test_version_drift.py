@@ -81,7 +81,8 @@ def expected_blocks(model: str, kv_bytes: int, block_size: int) -> int:
 
 def assert_drift_error(result: dict, problem: str) -> None:
     assert not result["ok"], result
-    assert result["error_type"] == "KVCacheMaxMemoryError", result
+    assert result["error_type"] == "UnsupportedVLLMError", result
+    assert "KVCacheMaxMemoryError" in result["error_mro"], result  # what users catch
     error = result["error"]
     assert f"vLLM {compat.installed_vllm_version()}" in error
     assert compat.SUPPORTED_VLLM[0] in error and compat.SUPPORTED_VLLM[1] in error
