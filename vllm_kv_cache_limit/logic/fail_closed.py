@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from vllm_kv_cache_limit.logic import envs
 from vllm_kv_cache_limit.logic.errors import UnsupportedVLLMError
-from vllm_kv_cache_limit.logic.relay import relay_cap_error
+from vllm_kv_cache_limit.logic.relay import raise_cap_error
 
 
 def cap_in_force(environ: Mapping[str, str] | None = None) -> bool:
@@ -40,6 +40,4 @@ def stop_if_capped(problems: list[str], version: str, supported: str, environ: M
     an engine-core or worker process) when a cap is in force; return
     otherwise, and the caller leaves vLLM untouched."""
     if cap_in_force(environ):
-        message = unenforceable(problems, version, supported)
-        relay_cap_error(message)
-        raise UnsupportedVLLMError(message)
+        raise_cap_error(unenforceable(problems, version, supported), UnsupportedVLLMError)

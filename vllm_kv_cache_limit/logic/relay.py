@@ -13,16 +13,18 @@ import contextlib
 import os
 import shutil
 import tempfile
+from typing import NoReturn
 
 from vllm_kv_cache_limit.logic import envs
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 
 
-def raise_cap_error(message: str) -> None:
-    """Raise a cap error; from an engine-core or worker process, also hand
-    the message to the first process (see ``patch``)."""
+def raise_cap_error(message: str, error: type[KVCacheMaxMemoryError] = KVCacheMaxMemoryError) -> NoReturn:
+    """Raise a cap error (``error``, a :class:`KVCacheMaxMemoryError`); from
+    an engine-core or worker process, also hand the message to the first
+    process (see ``patch``)."""
     relay_cap_error(message)
-    raise KVCacheMaxMemoryError(message)
+    raise error(message)
 
 
 def relay_cap_error(message: str) -> None:

@@ -57,7 +57,8 @@ def _release_after(original: Callable) -> Callable:
     the original runs alone."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _limit_of(self) is None:
+        limit = _limit_of(self)
+        if limit is None:
             return original(self, *args, **kwargs)
         state = EngineCoreState.of(self)
         if state.in_step:
@@ -67,7 +68,7 @@ def _release_after(original: Callable) -> Callable:
             result = original(self, *args, **kwargs)
         finally:
             state.in_step = False
-        _between_steps(self)
+        _between_steps(self, limit)
         return result
 
     return method
@@ -84,8 +85,7 @@ def _autoscale_after_request(original: Callable) -> Callable:
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        state = EngineCoreState.peek(self)
-        if state is not None and state.autoscaler is not None and not state.in_step:
+        if _autoscaler_of(self) is not None and not EngineCoreState.of(self).in_step:
             _between_steps(self)
         return result
 
@@ -123,20 +123,23 @@ def _leave_budget_first(original: Callable) -> Callable:
     return method
 
 
-def _between_steps(engine_core: Any) -> None:
+def _between_steps(engine_core: Any, limit: RuntimeLimit | None = None) -> None:
     """What an engine core does between steps: the autoscaler's decision,
-    then the release of the pages above the limit once it holds."""
-    _autoscale_tick(engine_core)
-    limit = _limit_of(engine_core)
-    if limit is not None:
-        limit.release_if_due()
+    then the release of the pages above the limit once it holds. ``limit``:
+    the engine core's, when the caller has it already (one per block pool)."""
+    limit = limit if limit is not None else _limit_of(engine_core)
+    if limit is None:
+        return
+    scaler = _autoscaler_of(engine_core)
+    if scaler is not None:
+        scaler.tick(engine_core, limit)
+    limit.release_if_due()
 
 
-def _autoscale_tick(engine_core: Any) -> None:
+def _autoscaler_of(engine_core: Any) -> Autoscaler | None:
+    """The engine core's autoscaler, once started (``--kv-cache-autoscale``)."""
     state = EngineCoreState.peek(engine_core)
-    limit = _limit_of(engine_core)
-    if state is not None and state.autoscaler is not None and limit is not None:
-        state.autoscaler.tick(engine_core, limit)
+    return None if state is None else state.autoscaler
 
 
 def _limit_of(engine_core: Any) -> RuntimeLimit | None:
@@ -154,8 +157,7 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
     (the client polls until it holds). Errors come back as ``{"error": ...}``
     so that the client raises them with their message. While autoscaling,
     ``nbytes`` is the ceiling the autoscaler stays under."""
-    state = EngineCoreState.peek(self)
-    scaler = None if state is None else state.autoscaler
+    scaler = _autoscaler_of(self)
     if scaler is None:
         return _set_limit(self, nbytes, mode)
     try:
@@ -239,14 +241,12 @@ def _kv_cache_limit_status(self: Any) -> dict[str, Any]:
     pool = _pool(self)
     limit = RuntimeLimit.of(pool)
     if limit is None:  # none set yet: read, attach nothing
-        allocation = allocation_of(self)
-        limit = RuntimeLimit(pool, allocation, pages_of(self), allocation.num_blocks, allocation.nbytes)
+        limit = RuntimeLimit.whole(pool, allocation_of(self), pages_of(self))
     in_use, above = limit.usage()
     status = limit_math.status(
         limit.allocation, limit.limit, limit.requested, limit.mode, in_use, above, limit.released_bytes
     )
-    state = EngineCoreState.peek(self)
-    scaler = None if state is None else state.autoscaler
+    scaler = _autoscaler_of(self)
     status["autoscale"] = None if scaler is None else scaler.status()
     return status
 

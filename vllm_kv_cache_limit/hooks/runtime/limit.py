@@ -56,10 +56,14 @@ class RuntimeLimit:
         return getattr(pool, "_kvcl_limit", None)
 
     @classmethod
+    def whole(cls, pool: Any, allocation: Allocation, pages: Pages) -> RuntimeLimit:
+        """A limit at the whole allocation (what holds before any is set)."""
+        return cls(pool, allocation, pages, limit=allocation.num_blocks, requested=allocation.nbytes)
+
+    @classmethod
     def attach(cls, pool: Any, allocation: Allocation, pages: Pages) -> RuntimeLimit:
         """A limit at the whole allocation, set on ``pool``."""
-        limit = cls(pool, allocation, pages, limit=allocation.num_blocks, requested=allocation.nbytes)
-        pool._kvcl_limit = limit
+        limit = pool._kvcl_limit = cls.whole(pool, allocation, pages)
         return limit
 
     def withhold(self, blocks: list[Any]) -> None:
