@@ -36,6 +36,8 @@ HOOKED_MODULES: dict[str, tuple[str, ...]] = {
     "vllm.v1.worker.cpu_worker": ("hooks.cap.cpu_worker:patch",),
     "vllm.v1.core.block_pool": ("hooks.runtime.block_pool:patch",),
     "vllm.v1.worker.worker_base": ("hooks.runtime.worker:patch",),
+    "vllm.utils.extensible_tensor": ("hooks.runtime.extensible_tensor:patch",),  # vLLM 0.34
+    "vllm.v1.worker.extensible_kv_cache": ("hooks.runtime.extensible_kv_cache:patch",),  # vLLM 0.34
     "vllm.v1.engine.core_client": ("hooks.runtime.client:patch",),
     "vllm.entrypoints.common.cli_args": ("hooks.runtime.server:patch_arg_parser",),  # vLLM 0.33
     "vllm.entrypoints.launchers.cli_args": ("hooks.runtime.server:patch_arg_parser",),  # vLLM 0.29-0.32

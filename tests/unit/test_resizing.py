@@ -90,6 +90,8 @@ class _FailingEngineCore:
         def preempt(*args, **kwargs):
             raise RuntimeError("preemption broke")
 
+        # vLLM's CPU build: no extensible KV cache
+        self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(enable_extensible_kv_cache=False))
         self.scheduler = SimpleNamespace(
             kv_cache_manager=manager,
             running=[request],

@@ -13,7 +13,7 @@ from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.hooks.devices import instance_devices
-from vllm_kv_cache_limit.hooks.runtime import autoscaler, shared_budget, wakeups
+from vllm_kv_cache_limit.hooks.runtime import autoscaler, extensible_kv_cache, shared_budget, wakeups
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
 from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional, require_hooks
 from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState, RuntimeLimit, allocation_of, pages_of
@@ -199,6 +199,8 @@ def _set_limit(self: Any, nbytes: int, mode: str, log: bool = True) -> dict[str,
         limit = RuntimeLimit.of(pool)
         allocation = limit.allocation if limit else allocation_of(self)
         new = limit_math.limit_for(int(nbytes), allocation)
+        if new < (limit.limit if limit else allocation.num_blocks):
+            _refuse_unreturnable(self, nbytes)
     except KVCacheResizeError as exc:
         return {"error": str(exc)}
     if limit is None:
@@ -229,6 +231,17 @@ def _set_limit(self: Any, nbytes: int, mode: str, log: bool = True) -> dict[str,
         )
     limit.release_if_due()  # nothing above the limit in use (idle, or all preempted)
     return _kv_cache_limit_status(self)
+
+
+def _refuse_unreturnable(engine_core: Any, nbytes: int) -> None:
+    """Refuse a lower limit where the workers' extensible KV cache cannot
+    give the memory above it back (a feature needs its whole mapping)."""
+    reason = extensible_kv_cache.refusal(engine_core.vllm_config)
+    if reason is not None:
+        raise KVCacheResizeError(
+            f"Cannot lower the KV cache limit to {format_size(int(nbytes))} ({nbytes} bytes): {reason}, so the "
+            f"GPU memory above the limit could not be returned. {extensible_kv_cache.NO_RETURN_HINT}"
+        )
 
 
 def _kv_cache_limit_status(self: Any) -> dict[str, Any]:

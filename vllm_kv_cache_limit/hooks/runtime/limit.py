@@ -118,7 +118,17 @@ class RuntimeLimit:
         the pages of the blocks returned to the OS below it."""
         self.give_back()
         if self.released_from is not None and self.released_from < self.limit:
-            self.released_bytes = self.pages(self.limit, self.allocation.num_blocks, False)
+            num_blocks = self.allocation.num_blocks
+            try:
+                self.released_bytes = self.pages(self.limit, num_blocks, False)
+            except BaseException:
+                # Workers that committed up to the new limit give it back: on
+                # a GPU nothing stays mapped above the limit that holds.
+                try:
+                    self.pages(self.released_from, num_blocks, True)
+                except Exception:
+                    logger.exception("Returning the chunks mapped by a failed raise of the KV cache limit failed.")
+                raise
             self.released_from = self.limit if self.released_bytes else None
 
     def give_back(self) -> None:

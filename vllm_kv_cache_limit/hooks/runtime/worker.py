@@ -12,6 +12,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.hooks.runtime import extensible_kv_cache
 from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional
 from vllm_kv_cache_limit.logic import limit_math
 from vllm_kv_cache_limit.logic.kv_cache import kv_cache_tensors, rss_bytes, worker_kv_cache_bytes
@@ -40,7 +41,17 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -
     of this worker's KV cache with ``madvise(MADV_DONTNEED)``; they read as
     zeros and come back on the next write. Returns the bytes now released
     from ``keep`` on (0 where the layout or device does not allow it: CUDA
-    memory is limited logically, not returned)."""
+    memory is limited logically, not returned). vLLM 0.34's extensible KV
+    cache returns and commits again whole chunks of GPU memory instead
+    (``hooks.runtime.extensible_kv_cache``)."""
+    kv_cache = getattr(getattr(self, "model_runner", None), "extensible_kv_cache", None)
+    if kv_cache is not None:
+        moved = extensible_kv_cache.pages(kv_cache, keep, num_blocks, release)
+        if release:
+            logger.info(
+                "KV cache chunks of blocks %d-%d released: %d bytes of GPU memory.", keep, num_blocks - 1, moved
+            )
+        return moved
     spans = []
     for view in kv_cache_tensors(self):
         if view.device.type != "cpu" or view.dim() < 2 or view.shape[0] != num_blocks:

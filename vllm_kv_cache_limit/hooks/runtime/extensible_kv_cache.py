@@ -1,0 +1,211 @@
+"""vllm.v1.worker.extensible_kv_cache: under a cap, vLLM 0.34's extensible
+KV cache is mapped in chunks (``hooks.runtime.extensible_tensor``) so that a
+run-time limit returns the GPU memory above it and commits it again when the
+limit rises.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.config import cap_of
+from vllm_kv_cache_limit.hooks.runtime import extensible_tensor
+from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, optional
+from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic.errors import KVCacheResizeError
+from vllm_kv_cache_limit.logic.sizes import format_size
+from vllm_kv_cache_limit.logic.vmm_chunks import ChunkPlan, plan_chunks
+
+# Under the "vllm" logger so that vLLM's logging configuration applies.
+logger = init_logger("vllm.plugins.kv_cache_limit")
+
+NO_RETURN_HINT = (
+    "Turn that off, or run with --no-enable-extensible-kv-cache, where a run-time limit keeps the memory "
+    "allocated and only stops the engine from using it."
+)
+
+
+def patch(module: Any) -> None:
+    """Why: vLLM commits the KV cache's final size after warmup in one run
+    per segment, which the driver can only unmap whole. How: wraps
+    ``extend_kv_cache``; with a cap in force and nothing that needs the
+    whole mapping, the cache is given a chunk plan first (a cache warmup
+    mapped across its cuts is remapped: it holds warmup's garbage), then
+    vLLM's original commits the final size, in chunks. Without a cap: the
+    original alone."""
+    optional(EXTEND_KV_CACHE, functools.partial(wrap, module, "extend_kv_cache", _chunked_before))
+
+
+def refusal(vllm_config: Any) -> str | None:
+    """What in this engine's configuration needs the extensible KV cache's
+    whole mapping, so that memory above a run-time limit cannot be returned
+    (None: nothing; also without the extensible cache)."""
+    cache_config = vllm_config.cache_config
+    if not getattr(cache_config, "enable_extensible_kv_cache", False):
+        return None
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is not None and transfer.registers_kv_cache_memory():
+        return (
+            f"the KV connector {getattr(transfer, 'kv_connector', None)!r} registers the KV cache's memory "
+            "for RDMA, which needs each segment mapped as one allocation"
+        )
+    if transfer is not None and transfer.has_connector("SimpleCPUOffloadConnector") and _lazy_offload(transfer):
+        return "SimpleCPUOffloadConnector with lazy_offload copies cached blocks from the free queue"
+    attention = getattr(vllm_config, "attention_config", None)
+    if getattr(attention, "hisparse_config", None) is not None:
+        return "HiSparse attention reads unpinned blocks after they are freed"
+    return None
+
+
+def _lazy_offload(transfer: Any) -> bool:
+    """Whether a SimpleCPUOffloadConnector (alone or in a MultiConnector) offloads lazily."""
+    configs = [transfer.kv_connector_extra_config or {}]
+    configs += [c for c in configs[0].get("connectors", []) if isinstance(c, dict)]
+    return any(c.get("lazy_offload") or (c.get("kv_connector_extra_config") or {}).get("lazy_offload") for c in configs)
+
+
+def _chunked_before(original: Callable) -> Callable:
+    def extend_kv_cache(runner: Any, kv_cache_config: Any, num_blocks: int, *args: Any, **kwargs: Any) -> Any:
+        kv_cache = getattr(runner, "extensible_kv_cache", None)
+        if kv_cache is not None and cap_of(runner.cache_config) is not None:
+            _give_plan(runner, kv_cache)
+        return original(runner, kv_cache_config, num_blocks, *args, **kwargs)
+
+    return extend_kv_cache
+
+
+def _give_plan(runner: Any, kv_cache: Any) -> None:
+    reason = refusal(runner.vllm_config)
+    plan = (
+        plan_chunks(
+            list(kv_cache.segment_offsets),
+            list(kv_cache.segment_strides),
+            kv_cache.capacity_blocks,
+            kv_cache.buffer.granularity,
+        )
+        if reason is None
+        else reason
+    )
+    if isinstance(plan, str):
+        kv_cache._kvcl_refusal = plan
+        logger.warning(
+            "KV cache max memory: a run-time limit cannot return GPU memory on this engine: %s. %s",
+            plan,
+            NO_RETURN_HINT,
+        )
+        return
+    buffer = kv_cache.buffer._buffer
+    extensible_tensor.give_plan(buffer, plan)
+    kv_cache._kvcl_chunks = plan
+    crossing = [(offset, size) for _, offset, size in buffer._handles if plan.cuts(offset, offset + size)]
+    if crossing:
+        # Warmup's blocks, mapped before the plan: garbage, as vLLM itself says
+        # when it remaps them in extend_kv_cache.
+        kv_cache.commit(kv_cache.min_committed_blocks, shrink=True)
+    logger.info(
+        "KV cache max memory: the extensible KV cache is mapped in chunks of %d blocks (%s over %d segments), "
+        "so that a run-time limit returns the memory above it.",
+        plan.blocks_per_chunk,
+        format_size(plan.chunk_bytes()),
+        len(plan.segment_strides),
+    )
+
+
+def chunks_of(kv_cache: Any) -> ChunkPlan:
+    """The cache's chunk plan; refuses, naming why, where it has none."""
+    plan: ChunkPlan | None = getattr(kv_cache, "_kvcl_chunks", None)
+    if plan is None:
+        reason = getattr(kv_cache, "_kvcl_refusal", None) or "the KV cache was not mapped in chunks under a cap"
+        raise KVCacheResizeError(f"Cannot return the KV cache's GPU memory above the limit: {reason}. {NO_RETURN_HINT}")
+    return plan
+
+
+def release_above(kv_cache: Any, keep: int) -> int:
+    """Unmap and release every chunk holding no block below ``keep``; the
+    blocks below keep their contents. Returns the bytes released."""
+    plan = chunks_of(kv_cache)
+    keep = max(keep, kv_cache.min_committed_blocks)
+    buffer = kv_cache.buffer._buffer
+    going = set(plan.releasable([(offset, size) for _, offset, size in buffer._handles], keep))
+    entries = [entry for entry in buffer._handles if (entry[1], entry[2]) in going]
+    if entries:
+        _synchronize(kv_cache)
+    before = kv_cache.physical_bytes
+    extensible_tensor.unmap(buffer, entries)
+    tensor = kv_cache.buffer
+    tensor._committed = [min(size, keep * stride) for size, stride in zip(tensor._committed, kv_cache.segment_strides)]
+    kv_cache.num_committed_blocks = min(kv_cache.num_committed_blocks, keep)
+    return before - kv_cache.physical_bytes
+
+
+def commit_up_to(kv_cache: Any, keep: int) -> None:
+    """Map blocks ``[0, keep)`` again (zeroed, as vLLM's ``commit``); on a
+    driver failure, the chunks this call mapped are released and the cache
+    is as it was: nothing half mapped."""
+    chunks_of(kv_cache)
+    buffer = kv_cache.buffer._buffer
+    handles = list(buffer._handles)
+    committed, blocks = list(kv_cache.buffer._committed), kv_cache.num_committed_blocks
+    try:
+        kv_cache.commit(keep)
+    except BaseException:
+        extensible_tensor.unmap(buffer, [entry for entry in buffer._handles if entry not in handles])
+        kv_cache.buffer._committed, kv_cache.num_committed_blocks = committed, blocks
+        raise
+
+
+def pages(kv_cache: Any, keep: int, num_blocks: int, release: bool) -> int:
+    """The worker's side of ``RuntimeLimit.pages`` on an extensible cache:
+    release the chunks above ``keep`` (returns the bytes released), or
+    commit up to ``keep`` (returns the bytes still released above it)."""
+    if release:
+        return release_above(kv_cache, keep)
+    if not kv_cache.physical_bytes:
+        # Asleep (or the cache discarded): vLLM's wake-up recommits this many.
+        kv_cache.num_committed_blocks = max(kv_cache.num_committed_blocks, min(keep, num_blocks))
+        return 0
+    commit_up_to(kv_cache, min(keep, num_blocks))
+    return max(0, kv_cache.physical_bytes_for(num_blocks) - kv_cache.physical_bytes)
+
+
+def _synchronize(kv_cache: Any) -> None:
+    """Wait for the device's work on the cache (a step in flight may still
+    write the blocks above the limit) before their memory goes."""
+    import torch
+
+    torch.accelerator.synchronize(kv_cache.buffer.device)
+
+
+EXTEND_KV_CACHE = Hook(
+    ("vllm.v1.worker.extensible_kv_cache",),
+    "extend_kv_cache",
+    ("runner", "kv_cache_config", "num_blocks"),
+    versions=">=0.34",
+    wrapper=_chunked_before,
+    upstream=extensible_tensor.UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
+# Called, not wrapped: committing up to a raised limit; the physical bytes.
+EXTENSIBLE_KV_CACHE_COMMIT = Hook(
+    ("vllm.v1.worker.extensible_kv_cache",),
+    "ExtensibleKVCache.commit",
+    ("self", "num_blocks", "defragment", "shrink"),
+    versions=">=0.34",
+)
+EXTENSIBLE_KV_CACHE_PHYSICAL_BYTES_FOR = Hook(
+    ("vllm.v1.worker.extensible_kv_cache",),
+    "ExtensibleKVCache.physical_bytes_for",
+    ("self", "num_blocks"),
+    versions=">=0.34",
+)
+
+HOOKS = (EXTEND_KV_CACHE, EXTENSIBLE_KV_CACHE_COMMIT, EXTENSIBLE_KV_CACHE_PHYSICAL_BYTES_FOR)
+
+TARGETS = {"vllm.v1.worker.extensible_kv_cache": patch}
+"""vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""

@@ -1,0 +1,93 @@
+"""vllm.utils.extensible_tensor: map a capped extensible KV cache in chunks
+that a run-time limit can release whole (vLLM 0.34+)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from vllm_kv_cache_limit.compat import Hook
+from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, optional
+from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic.vmm_chunks import ChunkPlan
+
+UPSTREAM = "none yet: ExtensibleTensor is grow-only and maps each committed run as one driver allocation"
+
+
+def patch(module: Any) -> None:
+    """Why: the driver unmaps only whole mappings, and vLLM maps each run it
+    commits as one; a run cut at whole-block boundaries lets the chunks above
+    a lowered limit go while the blocks below keep their memory. How: wraps
+    ``_VirtualBuffer._map_chunk_at``; on a buffer given a chunk plan
+    (``hooks.runtime.extensible_kv_cache``) it maps the run as the plan's
+    pieces, each through vLLM's original, and on a failure unmaps and
+    releases the pieces this call mapped before it raises. Any other buffer:
+    the original alone."""
+    optional(MAP_CHUNK_AT, functools.partial(wrap, module._VirtualBuffer, "_map_chunk_at", _in_chunks))
+
+
+def plan_of(buffer: Any) -> ChunkPlan | None:
+    """The chunk plan a buffer was given, if any."""
+    return getattr(buffer, "_kvcl_chunks", None)
+
+
+def give_plan(buffer: Any, plan: ChunkPlan) -> None:
+    buffer._kvcl_chunks = plan
+
+
+def unmap(buffer: Any, entries: list[tuple[int, int, int]]) -> None:
+    """Unmap and release the ``(handle, offset, size)`` chunks of a buffer
+    and forget them (its handles and mapped granules), as vLLM's
+    ``release_physical`` does for all of them."""
+    driver = buffer._driver
+    gone = set(entries)
+    buffer._handles = [entry for entry in buffer._handles if entry not in gone]
+    for handle, offset, size in entries:
+        buffer._mapped_granules.difference_update(
+            range(offset // buffer.granularity, (offset + size) // buffer.granularity)
+        )
+        driver.unmap(buffer.base_ptr + offset, size)
+        driver.release(handle)
+
+
+def _in_chunks(original: Callable) -> Callable:
+    def _map_chunk_at(self: Any, offset: int, size: int) -> None:
+        plan = plan_of(self)
+        if plan is None:
+            return original(self, offset, size)
+        before = len(self._handles)
+        try:
+            for piece_offset, piece_size in plan.pieces(offset, size):
+                original(self, piece_offset, piece_size)
+        except BaseException:
+            unmap(self, self._handles[before:])
+            raise
+        return None
+
+    return _map_chunk_at
+
+
+MAP_CHUNK_AT = Hook(
+    ("vllm.utils.extensible_tensor",),
+    "_VirtualBuffer._map_chunk_at",
+    ("self", "offset", "size"),
+    versions=">=0.34",
+    wrapper=_in_chunks,
+    upstream=UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
+# Called, not wrapped: returning the chunks above a limit (``unmap``) and
+# committing up to it again.
+VIRTUAL_BUFFER_ENSURE_COMMITTED_RANGE = Hook(
+    ("vllm.utils.extensible_tensor",),
+    "_VirtualBuffer.ensure_committed_range",
+    ("self", "start", "end"),
+    versions=">=0.34",
+)
+
+HOOKS = (MAP_CHUNK_AT, VIRTUAL_BUFFER_ENSURE_COMMITTED_RANGE)
+
+TARGETS = {"vllm.utils.extensible_tensor": patch}
+"""vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""
