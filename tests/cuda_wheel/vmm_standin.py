@@ -138,7 +138,14 @@ class HostVmmDriver:
 
     dlpack_device_type = DLPACK_CPU
 
-    def __init__(self, granularity: int = 2 * MiB, *, strict_release: bool = False, populate: bool = True) -> None:
+    def __init__(
+        self,
+        granularity: int = 2 * MiB,
+        *,
+        strict_release: bool = False,
+        populate: bool = True,
+        capacity: int | None = None,
+    ) -> None:
         if granularity <= 0 or granularity % mmap.PAGESIZE:
             raise ValueError(f"granularity must be a positive multiple of the page size, got {granularity}")
         self._granularity = granularity
@@ -146,6 +153,9 @@ class HostVmmDriver:
         self.populate = populate
         """Allocate a handle's pages at ``create`` (``fallocate``), as
         ``cuMemCreate`` does; without it they are allocated when first touched."""
+        self.capacity = capacity
+        """The device's memory: ``create`` beyond it fails with
+        CUDA_ERROR_OUT_OF_MEMORY, as on a full GPU (None: host memory's limit)."""
         self.calls: collections.Counter[str] = collections.Counter()
         self.reservations: dict[int, int] = {}
         """base address -> size"""
@@ -229,6 +239,8 @@ class HostVmmDriver:
         self._aligned("cuMemCreate", size=size)
         if size == 0:
             raise VmmRuleError(CUDA_ERROR_INVALID_VALUE, "cuMemCreate", "size must be positive")
+        if self.capacity is not None and self.physical_bytes + size > self.capacity:
+            raise VmmRuleError(CUDA_ERROR_OUT_OF_MEMORY, "cuMemCreate", "out of memory")
         fd = os.memfd_create("vmm-standin", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)

@@ -120,7 +120,12 @@ def chunks_of(kv_cache: Any) -> ChunkPlan:
     """The cache's chunk plan; refuses, naming why, where it has none."""
     plan: ChunkPlan | None = getattr(kv_cache, "_kvcl_chunks", None)
     if plan is None:
-        reason = getattr(kv_cache, "_kvcl_refusal", None) or "the KV cache was not mapped in chunks under a cap"
+        reason = getattr(kv_cache, "_kvcl_refusal", None)
+        if reason is None:
+            raise KVCacheResizeError(
+                "Cannot return the KV cache's GPU memory above the limit: the KV cache was not mapped in chunks "
+                "(no cap was in force when vLLM extended it). Start the engine with --kv-cache-max-memory."
+            )
         raise KVCacheResizeError(f"Cannot return the KV cache's GPU memory above the limit: {reason}. {NO_RETURN_HINT}")
     return plan
 

@@ -1,0 +1,321 @@
+"""A run-time limit moves real GPU memory on vLLM 0.34's extensible KV cache
+(issue 42): vLLM's own ``extend_kv_cache``, ``ExtensibleKVCache``,
+``ExtensibleTensor``, ``BlockPool``, ``KVCacheManager``, ``Scheduler`` and
+``EngineCore.step`` run through the plugin; only the VMM driver is the
+host-memory stand-in (``tests/cuda_wheel/vmm_standin.py``), which enforces
+CUDA's rules and counts what is mapped, so that memory returned is measured
+in this process (``RssShmem``: the stand-in's chunks are memfd pages).
+
+The workers are this process: the engine core's ``collective_rpc`` calls the
+plugin's real worker methods on a worker whose model runner holds the cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import signal
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import vllm.utils.extensible_tensor as extensible_tensor
+import vllm.v1.worker.extensible_kv_cache as vllm_extensible
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.extensible_kv_cache import ExtensibleKVCache
+from vllm.v1.worker.worker_base import WorkerBase
+
+from tests.cuda_wheel import test_resize_scheduler as sched
+from tests.cuda_wheel.conftest import FakeGPU
+from tests.cuda_wheel.test_vmm_standin import RSS_SLACK, read_in_child, rss_shmem
+from tests.cuda_wheel.vmm_standin import HostVmmDriver, MiB, VmmRuleError
+from vllm_kv_cache_limit.hooks.runtime.limit import RuntimeLimit
+from vllm_kv_cache_limit.hooks.wrap import WRAPPED
+from vllm_kv_cache_limit.logic import limit_math
+
+GRANULE = 2 * MiB
+SPEC = FullAttentionSpec(block_size=sched.BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=torch.float16)
+PAGE = SPEC.page_size_bytes
+"""16 tokens x 8 heads x 128 x K and V x 2 bytes: 64 KiB per layer and block."""
+LAYERS = sched.LAYERS
+NUM_BLOCKS = 512
+"""32 MiB per layer: the cache's capacity and the block pool's size."""
+BLOCKS_PER_CHUNK = 128
+"""The plan: 32 blocks make a 2 MiB granule, times 4 up to 8 MiB (``TARGET_CHUNK_BYTES``)."""
+BYTES_PER_BLOCK = PAGE * len(LAYERS)
+LIMIT = 200
+"""Lowered limit: blocks 200-255 stay in the second chunk, 256-511 go."""
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostVmmDriver]:
+    standin = HostVmmDriver(GRANULE)
+    monkeypatch.setattr(extensible_tensor, "get_vmm_driver", lambda: standin)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: None, raising=False)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None, raising=False)
+    yield standin
+    standin.close()
+
+
+class _Workers:
+    """The executor of one worker in this process: the plugin's worker
+    methods run for real on it."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.pages_calls: list[tuple[Any, ...]] = []
+        self.inner = sched._Workers()
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None):
+        if method == "kv_cache_limit_allocated":
+            return [NUM_BLOCKS * BYTES_PER_BLOCK]
+        if method == "kv_cache_limit_pages":
+            self.pages_calls.append(tuple(args))
+            return [WorkerBase.kv_cache_limit_pages(self.worker, *args)]
+        raise AssertionError(f"unexpected worker call {method}{args}")
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False):
+        return self.inner.execute_model(scheduler_output, non_block)
+
+
+def _kv_cache_config() -> KVCacheConfig:
+    tensor = KVCacheTensor(
+        size=len(LAYERS) * NUM_BLOCKS * PAGE, layers=list(LAYERS), layer_stride=NUM_BLOCKS * PAGE, block_stride=PAGE
+    )
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[tensor], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), SPEC)]
+    )
+
+
+def _engine(tiny_model: str, cap: int | None = NUM_BLOCKS * BYTES_PER_BLOCK, hisparse: bool = False) -> EngineCore:
+    """An engine core over vLLM's scheduler, its one worker's extensible KV
+    cache extended by vLLM's ``extend_kv_cache`` (through the plugin) to all
+    ``NUM_BLOCKS`` blocks."""
+    scheduler = sched._scheduler(tiny_model)
+    config = _kv_cache_config()
+    vllm_config = scheduler.vllm_config
+    vllm_config.cache_config.enable_extensible_kv_cache = True
+    if hisparse:
+        vllm_config.attention_config.hisparse_config = SimpleNamespace()
+    layout = KVCacheLayout.LBNHC
+    cache = ExtensibleKVCache(config, torch.device("cuda:0"), layout)
+    cache.allocate(cache.size)
+    runner = SimpleNamespace(
+        vllm_config=vllm_config,
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout, kv_cache_max_memory=cap),
+        extensible_kv_cache=cache,
+        kv_cache_config=copy.copy(config),
+        kernel_block_sizes=None,
+        attn_groups=[],
+        speculator=None,
+        kv_caches_by_layer={},
+        kv_caches=[],
+        device=torch.device("cuda:0"),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+    )
+    vllm_extensible.extend_kv_cache(runner, config, NUM_BLOCKS)
+    core = sched._engine_core(scheduler)
+    core.model_executor = _Workers(SimpleNamespace(model_runner=runner))
+    return core
+
+
+@pytest.fixture
+def engine(fake_gpu: FakeGPU, tiny_model: str, driver: HostVmmDriver, monkeypatch: pytest.MonkeyPatch) -> EngineCore:
+    monkeypatch.setattr(sched, "NUM_BLOCKS", NUM_BLOCKS)
+    core = _engine(tiny_model)
+    yield core
+    _cache(core).free()
+
+
+def _cache(core: EngineCore) -> ExtensibleKVCache:
+    return core.model_executor.worker.model_runner.extensible_kv_cache
+
+
+def _fill(cache: ExtensibleKVCache, blocks: range, value: int) -> None:
+    full = cache.buffer.full_view()
+    for offset in cache.segment_offsets:
+        full[offset + blocks.start * PAGE : offset + blocks.stop * PAGE].fill_(value)
+
+
+def _holds(cache: ExtensibleKVCache, blocks: range, value: int) -> bool:
+    full = cache.buffer.full_view()
+    return all(
+        bool((full[offset + blocks.start * PAGE : offset + blocks.stop * PAGE] == value).all())
+        for offset in cache.segment_offsets
+    )
+
+
+def _set(core: EngineCore, blocks: int) -> dict[str, Any]:
+    return core.kv_cache_limit_set(blocks * BYTES_PER_BLOCK, "drain")
+
+
+def _chunked(blocks: int) -> int:
+    """Bytes mapped for ``blocks`` blocks in whole chunks, over every layer."""
+    return min(NUM_BLOCKS, -(-blocks // BLOCKS_PER_CHUNK) * BLOCKS_PER_CHUNK) * BYTES_PER_BLOCK
+
+
+def test_the_plugin_maps_the_capped_cache_in_chunks(engine: EngineCore, driver: HostVmmDriver) -> None:
+    assert getattr(extensible_tensor._VirtualBuffer._map_chunk_at, WRAPPED, False)
+    assert getattr(vllm_extensible.extend_kv_cache, WRAPPED, False)
+    cache = _cache(engine)
+    assert cache.num_committed_blocks == NUM_BLOCKS
+    assert driver.mapped_bytes == NUM_BLOCKS * BYTES_PER_BLOCK
+    chunk = BLOCKS_PER_CHUNK * PAGE
+    base = cache.buffer.base_ptr
+    for addr, size, _ in driver.mapped_ranges():
+        offset = addr - base
+        segment = max(o for o in cache.segment_offsets if o <= offset)
+        start = offset - segment
+        assert (start + size - 1) // chunk == start // chunk, f"a mapping at {offset:#x} crosses a chunk boundary"
+        assert start // chunk == 0 or size == chunk  # only the null block's granule was mapped before the plan
+    assert cache.buffer.num_physical_chunks == len(LAYERS) * (NUM_BLOCKS // BLOCKS_PER_CHUNK + 1)
+
+
+def test_a_cache_without_a_cap_is_mapped_as_vllm_maps_it(
+    fake_gpu: FakeGPU, tiny_model: str, driver: HostVmmDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sched, "NUM_BLOCKS", NUM_BLOCKS)
+    core = _engine(tiny_model, cap=None)
+    try:
+        # the null block's granule (allocate), then the rest in one chunk per layer (extend_kv_cache)
+        assert sorted(size for _, size, _ in driver.mapped_ranges()) == [GRANULE] * len(LAYERS) + [
+            NUM_BLOCKS * PAGE - GRANULE
+        ] * len(LAYERS)
+    finally:
+        _cache(core).free()
+
+
+def test_a_shrink_returns_the_chunks_above_and_keeps_the_blocks_below(
+    engine: EngineCore, driver: HostVmmDriver
+) -> None:
+    cache = _cache(engine)
+    _fill(cache, range(1, LIMIT), 7)
+    _fill(cache, range(LIMIT, NUM_BLOCKS), 9)
+    mapped, rss = driver.mapped_bytes, rss_shmem()
+
+    status = _set(engine, LIMIT)
+    assert not limit_math.is_error(status), status
+
+    returned = NUM_BLOCKS * BYTES_PER_BLOCK - _chunked(LIMIT)
+    assert returned == 256 * BYTES_PER_BLOCK
+    assert mapped - driver.mapped_bytes == returned
+    assert driver.physical_bytes == driver.mapped_bytes == _chunked(LIMIT)
+    assert abs(rss - rss_shmem() - returned) <= RSS_SLACK
+    assert cache.num_committed_blocks == LIMIT
+    assert _holds(cache, range(1, LIMIT), 7)
+    assert _holds(cache, range(LIMIT, 256), 9)  # the chunk across the limit stays whole
+    above = cache.buffer.base_ptr + cache.segment_offsets[1] + 300 * PAGE
+    assert read_in_child(above) == -signal.SIGSEGV  # a block above the limit is not mapped
+
+    status = _set(engine, NUM_BLOCKS)
+    assert not limit_math.is_error(status), status
+    assert driver.mapped_bytes == NUM_BLOCKS * BYTES_PER_BLOCK
+    assert cache.num_committed_blocks == NUM_BLOCKS
+    assert _holds(cache, range(1, LIMIT), 7)  # below the limit: unchanged through shrink and grow
+    assert _holds(cache, range(LIMIT, NUM_BLOCKS), 0)  # regrown (and above the old limit): zeroed
+    assert read_in_child(above) == 0
+
+
+def test_requests_keep_running_below_the_limit_and_the_release_waits_for_the_drain(
+    engine: EngineCore, driver: HostVmmDriver
+) -> None:
+    """Requests on blocks above the limit finish first (drain); the chunks go
+    after, between steps."""
+    cache = _cache(engine)
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    taken = pool.get_new_blocks(300)  # a request holding blocks up to 300
+    status = _set(engine, LIMIT)
+    assert not limit_math.is_error(status), status
+    assert driver.mapped_bytes == NUM_BLOCKS * BYTES_PER_BLOCK  # in use: nothing returned yet
+    pool.free_blocks(taken)
+    RuntimeLimit.of(pool).release_if_due()  # what the engine core does between steps
+    assert driver.mapped_bytes == _chunked(LIMIT)
+    assert cache.num_committed_blocks == LIMIT
+
+
+def test_a_driver_failure_while_growing_leaves_the_limit_and_nothing_half_mapped(
+    engine: EngineCore, driver: HostVmmDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = _cache(engine)
+    assert not limit_math.is_error(_set(engine, LIMIT))
+    mapped, chunks = driver.mapped_bytes, cache.buffer.num_physical_chunks
+    creates = driver.calls["create"]
+    original = driver.create
+
+    def create(size: int, device_index: int, export_handle_types: int = 0) -> int:
+        if driver.calls["create"] - creates >= 3:  # the fourth chunk fails
+            raise VmmRuleError(2, "cuMemCreate", "out of memory")
+        return original(size, device_index, export_handle_types)
+
+    monkeypatch.setattr(driver, "create", create)
+    status = _set(engine, NUM_BLOCKS)
+    assert limit_math.is_error(status) and status.get("failed"), status
+    assert "out of memory" in status["error"]
+    limit = RuntimeLimit.of(engine.scheduler.kv_cache_manager.block_pool)
+    assert limit.limit == LIMIT
+    assert max(b.block_id for b in limit.pool.free_block_queue.get_all_free_blocks()) < LIMIT
+    assert driver.mapped_bytes == driver.physical_bytes == mapped  # nothing half mapped
+    assert cache.buffer.num_physical_chunks == chunks and cache.num_committed_blocks == LIMIT
+
+    monkeypatch.setattr(driver, "create", original)
+    assert not limit_math.is_error(_set(engine, NUM_BLOCKS))
+    assert driver.mapped_bytes == NUM_BLOCKS * BYTES_PER_BLOCK
+
+
+def test_sleep_and_wake_under_a_limit_recommit_up_to_the_limit(engine: EngineCore, driver: HostVmmDriver) -> None:
+    cache = _cache(engine)
+    assert not limit_math.is_error(_set(engine, LIMIT))
+    cache.release_physical()  # the worker's sleep
+    assert driver.mapped_bytes == 0
+    cache.recommit()  # its wake-up: vLLM commits the blocks it counts, to whole granules
+    assert driver.mapped_bytes == cache.physical_bytes_for(LIMIT) < NUM_BLOCKS * BYTES_PER_BLOCK
+
+    cache.release_physical()
+    assert not limit_math.is_error(_set(engine, 300))  # raised while asleep: nothing mapped now
+    assert driver.mapped_bytes == 0
+    cache.recommit()
+    assert driver.mapped_bytes == cache.physical_bytes_for(300)
+
+
+def test_two_caches_on_one_device_trade_memory(
+    fake_gpu: FakeGPU, tiny_model: str, driver: HostVmmDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One device holds both caches: the second can grow only into what the
+    first returned, and its failed grow leaves it as it was."""
+    monkeypatch.setattr(sched, "NUM_BLOCKS", NUM_BLOCKS)
+    first, second = _engine(tiny_model), _engine(tiny_model)
+    try:
+        assert not limit_math.is_error(_set(second, 100))
+        driver.capacity = driver.physical_bytes  # the device is full
+        status = _set(second, NUM_BLOCKS)
+        assert limit_math.is_error(status) and "out of memory" in status["error"]
+        assert driver.physical_bytes == driver.capacity
+
+        assert not limit_math.is_error(_set(first, 100))  # the first shrinks
+        assert driver.physical_bytes == driver.capacity - (NUM_BLOCKS * BYTES_PER_BLOCK - _chunked(100))
+        assert not limit_math.is_error(_set(second, NUM_BLOCKS))  # the second's grow now fits
+        assert _cache(second).num_committed_blocks == NUM_BLOCKS
+        assert driver.physical_bytes == _chunked(100) + NUM_BLOCKS * BYTES_PER_BLOCK
+    finally:
+        _cache(first).free()
+        _cache(second).free()
+
+
+def test_a_feature_that_needs_the_whole_mapping_refuses_a_lower_limit(
+    fake_gpu: FakeGPU, tiny_model: str, driver: HostVmmDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sched, "NUM_BLOCKS", NUM_BLOCKS)
+    core = _engine(tiny_model, hisparse=True)
+    try:
+        assert sorted(size for _, size, _ in driver.mapped_ranges()) == [GRANULE] * len(LAYERS) + [
+            NUM_BLOCKS * PAGE - GRANULE
+        ] * len(LAYERS)
+        status = _set(core, LIMIT)
+        assert limit_math.is_error(status)
+        assert "HiSparse" in status["error"] and "--no-enable-extensible-kv-cache" in status["error"]
+        assert driver.mapped_bytes == NUM_BLOCKS * BYTES_PER_BLOCK
+    finally:
+        _cache(core).free()
