@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import signal
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -32,9 +33,12 @@ from tests.cuda_wheel import test_resize_scheduler as sched
 from tests.cuda_wheel.conftest import FakeGPU
 from tests.cuda_wheel.test_vmm_standin import RSS_SLACK, read_in_child, rss_shmem
 from tests.cuda_wheel.vmm_standin import HostVmmDriver, MiB, VmmRuleError
-from vllm_kv_cache_limit.hooks.runtime.limit import RuntimeLimit
+from vllm_kv_cache_limit.hooks.runtime import autoscaler
+from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
+from vllm_kv_cache_limit.hooks.runtime.engine_core import start_autoscaling
+from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState, RuntimeLimit
 from vllm_kv_cache_limit.hooks.wrap import WRAPPED
-from vllm_kv_cache_limit.logic import limit_math
+from vllm_kv_cache_limit.logic import envs, limit_math
 
 GRANULE = 2 * MiB
 SPEC = FullAttentionSpec(block_size=sched.BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=torch.float16)
@@ -72,6 +76,8 @@ class _Workers:
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None):
         if method == "kv_cache_limit_allocated":
             return [NUM_BLOCKS * BYTES_PER_BLOCK]
+        if method == "kv_cache_limit_chunk_blocks":
+            return [WorkerBase.kv_cache_limit_chunk_blocks(self.worker)]
         if method == "kv_cache_limit_pages":
             self.pages_calls.append(tuple(args))
             return [WorkerBase.kv_cache_limit_pages(self.worker, *args)]
@@ -319,3 +325,87 @@ def test_a_feature_that_needs_the_whole_mapping_refuses_a_lower_limit(
         assert driver.mapped_bytes == NUM_BLOCKS * BYTES_PER_BLOCK
     finally:
         _cache(core).free()
+
+
+BUDGET_BLOCKS = 384
+"""The shared budget and the device: three chunks of 128 blocks."""
+
+
+def _autoscaled(tiny_model: str, budget: int) -> EngineCore:
+    core = _engine(tiny_model)
+    cache_config = core.vllm_config.cache_config
+    setattr(cache_config, autoscaler.AUTOSCALE, True)
+    setattr(cache_config, autoscaler.MIN_MEMORY, None)
+    setattr(cache_config, autoscaler.SHARED_BUDGET, budget)
+    start_autoscaling(core)
+    scaler = _scaler(core)
+    scaler.stop.set()
+    if scaler.timer is not None:
+        scaler.timer.join(timeout=5)
+    return core
+
+
+def _scaler(core: EngineCore) -> Autoscaler:
+    scaler = EngineCoreState.of(core).autoscaler
+    assert isinstance(scaler, Autoscaler)
+    return scaler
+
+
+def _decide(core: EngineCore, at: float) -> None:
+    """One autoscaling decision at monotonic time ``at``, then the release
+    the engine core makes between steps."""
+    limit = RuntimeLimit.of(core.scheduler.kv_cache_manager.block_pool)
+    _scaler(core).tick(core, limit, now=at)
+    limit.release_if_due()
+
+
+def _ledger_holds(core: EngineCore) -> int:
+    """What every instance's entry in this device's ledger holds, in bytes."""
+    scaler = _scaler(core)
+    return scaler.held * scaler.unit + sum(int(o["holds"]) for o in scaler.others)
+
+
+def test_two_autoscaled_caches_under_one_shared_budget_trade_committed_memory(
+    fake_gpu: FakeGPU, tiny_model: str, driver: HostVmmDriver, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The ledger accounts what the caches commit: the device holds exactly
+    the budget's entries, and the second instance grows into what the
+    first returned, on a device that has no more than the budget."""
+    monkeypatch.setattr(sched, "NUM_BLOCKS", NUM_BLOCKS)
+    monkeypatch.setenv(envs.LOCK_DIR, str(tmp_path))
+    monkeypatch.setenv(envs.SHRINK_AFTER_S, "0")
+    budget = BUDGET_BLOCKS * BYTES_PER_BLOCK
+    first = second = None
+    try:
+        first = _autoscaled(tiny_model, budget)
+        second = _autoscaled(tiny_model, budget)
+        assert _scaler(first).allocation.blocks_per_chunk == BLOCKS_PER_CHUNK
+        floor = _scaler(first).floor
+        assert floor == BLOCKS_PER_CHUNK  # one request of max_model_len, rounded up to a chunk
+        assert driver.physical_bytes == 2 * floor * BYTES_PER_BLOCK
+        driver.capacity = budget  # the device has the budget and no more
+        now = time.monotonic()
+
+        sched._add(first, [str(i) for i in range(20)], max_tokens=1000)  # 8 blocks each
+        first.step()
+        _decide(second, now + 1)  # the second's entry is read again
+        _decide(first, now + 1)
+        assert RuntimeLimit.of(first.scheduler.kv_cache_manager.block_pool).limit == 2 * BLOCKS_PER_CHUNK
+        assert driver.physical_bytes == _ledger_holds(first) == budget  # the ledger is what is committed
+
+        sched._add(second, [str(i) for i in range(20)], max_tokens=1000)
+        second.step()
+        _decide(second, now + 2)  # the budget is full: the second stays at its floor
+        assert RuntimeLimit.of(second.scheduler.kv_cache_manager.block_pool).limit == floor
+        first.abort_requests([str(i) for i in range(20)])
+        _decide(first, now + 3)  # idle, and another instance needs the budget: back to its floor
+        _decide(first, now + 4)
+        assert driver.physical_bytes == 2 * floor * BYTES_PER_BLOCK
+        _decide(second, now + 5)
+        assert RuntimeLimit.of(second.scheduler.kv_cache_manager.block_pool).limit == 2 * BLOCKS_PER_CHUNK
+        assert driver.physical_bytes == _ledger_holds(second) == budget
+    finally:
+        for core in (first, second):
+            if core is not None:
+                _scaler(core).close()
+                _cache(core).free()

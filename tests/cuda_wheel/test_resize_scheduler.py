@@ -88,6 +88,8 @@ class _Workers:
             return [NUM_BLOCKS * BYTES_PER_BLOCK]
         if method == "kv_cache_limit_pages":  # CUDA memory is limited logically, not returned
             return [0]
+        if method == "kv_cache_limit_chunk_blocks":  # vLLM 0.34's extensible cache, not mapped in chunks
+            return [1]
         raise AssertionError(f"the plugin made an unexpected worker call: {method}{args}")
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> Future:

@@ -41,6 +41,16 @@ class Allocation:
     largest_bytes_per_block: int = 0
     """Bytes of one block on the worker that holds the most (pipeline stages
     can differ), rounded up; 0: ``bytes_per_block``."""
+    blocks_per_chunk: int = 1
+    """Blocks the workers return or commit together (vLLM 0.34's extensible
+    KV cache maps whole chunks, ``logic.vmm_chunks``); 1 elsewhere."""
+
+    def whole_chunks(self, blocks: int, up: bool) -> int:
+        """``blocks`` rounded to whole chunks (up or down), within the
+        allocation: a limit there holds exactly the memory it commits."""
+        chunk = max(1, self.blocks_per_chunk)
+        rounded = -(-blocks // chunk) * chunk if up else blocks // chunk * chunk
+        return min(rounded, self.num_blocks)
 
     @property
     def nbytes(self) -> int:

@@ -134,6 +134,11 @@ class Autoscaler:
         """The limit the last decision's demand asks for (the scaler's)."""
         return self.hysteresis.target
 
+    @property
+    def wants(self) -> int:
+        """The target in the whole chunks a limit is set in (its entry's ``wants``)."""
+        return self.allocation.whole_chunks(self.target, up=True)
+
     def read_demand(self, scheduler: Any) -> int:
         """Blocks every unfinished request holds and will need to finish
         (its prompt and ``max_tokens``, at most ``max_model_len``), per KV
@@ -184,6 +189,11 @@ class Autoscaler:
             reason = "above the ceiling"
         else:
             reason = f"demand below the limit for {self.hysteresis.policy.shrink_after_s:g} s"
+        if new is not None:
+            # Whole chunks where the workers map chunks: the limit then holds
+            # exactly the memory it commits, and the ledger says so.
+            rounded = min(self.allocation.whole_chunks(new, up=True), max(new, self.ceiling))
+            new = None if (rounded >= limit) != (new >= limit) or rounded == limit else rounded
         held = self.held
         if self.budget is not None:
             new, gave = self._within_budget(limit, new, drained, now)
@@ -237,7 +247,7 @@ class Autoscaler:
 
     def _shares(self, holds: int) -> tuple[Share, list[Share]]:
         unit = self.unit
-        me = Share(holds=holds * unit, wants=self.target * unit, floor=self.floor * unit)
+        me = Share(holds=holds * unit, wants=self.wants * unit, floor=self.floor * unit)
         return me, [Share(int(o["holds"]), int(o["wants"]), int(o["floor"])) for o in self.others]
 
     def _within_budget(
@@ -284,14 +294,17 @@ class Autoscaler:
                 self.held = limit
             me, others = self._shares(self.held)
             if new is not None and new > limit:
-                granted = autoscale_policy.grant(me, others, self.budget) // unit
+                granted = self.allocation.whole_chunks(
+                    autoscale_policy.grant(me, others, self.budget) // unit, up=False
+                )
                 new = min(new, granted) if granted > limit else None
             gave = False
             if new is None or new <= limit:
                 back = autoscale_policy.give_back(me, others, self.budget)
-                if back is not None and max(self.floor, back // unit) < min(new or limit, limit):
+                keep = None if back is None else max(self.floor, self.allocation.whole_chunks(back // unit, up=False))
+                if keep is not None and keep < min(new or limit, limit):
                     self.hysteresis.below_since = None
-                    new, gave = max(self.floor, back // unit), True
+                    new, gave = keep, True
             if new is not None and new > limit:
                 self.held = max(self.held, new)
             self._write(views)
@@ -312,7 +325,7 @@ class Autoscaler:
             "budget": self.budget,
             "floor": self.floor * unit,
             "holds": self.held * unit,
-            "wants": self.target * unit,
+            "wants": self.wants * unit,
         }
         for view in views:
             if view.ledger.record != record:
@@ -348,9 +361,9 @@ def floor_blocks(min_memory: int | None, allocation: Allocation) -> int:
     request of ``max_model_len``; refused as resize refuses a limit that
     cannot hold one request, or above the start-up allocation."""
     if min_memory is None:
-        return allocation.blocks_per_request + limit_math.NULL_BLOCKS
+        return allocation.whole_chunks(allocation.blocks_per_request + limit_math.NULL_BLOCKS, up=True)
     try:
-        return limit_math.limit_for(min_memory, allocation)
+        return allocation.whole_chunks(limit_math.limit_for(min_memory, allocation), up=True)
     except KVCacheResizeError as exc:
         raise KVCacheMaxMemoryError(f"--kv-cache-min-memory {format_size(min_memory)} is refused: {exc}") from None
 

@@ -116,9 +116,14 @@ def _give_plan(runner: Any, kv_cache: Any) -> None:
     )
 
 
+def plan_of(kv_cache: Any) -> ChunkPlan | None:
+    """The cache's chunk plan, if it was given one."""
+    return getattr(kv_cache, "_kvcl_chunks", None)
+
+
 def chunks_of(kv_cache: Any) -> ChunkPlan:
     """The cache's chunk plan; refuses, naming why, where it has none."""
-    plan: ChunkPlan | None = getattr(kv_cache, "_kvcl_chunks", None)
+    plan = plan_of(kv_cache)
     if plan is None:
         reason = getattr(kv_cache, "_kvcl_refusal", None)
         if reason is None:

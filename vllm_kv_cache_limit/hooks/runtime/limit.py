@@ -269,7 +269,11 @@ def _read_allocation(engine_core: Any) -> Allocation:
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
         per_request += -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
+    chunk = 1
+    if getattr(vllm_config.cache_config, "enable_extensible_kv_cache", False):
+        chunk = max(int(b) for b in engine_core.model_executor.collective_rpc("kv_cache_limit_chunk_blocks"))
     return Allocation(
+        blocks_per_chunk=chunk,
         num_blocks=num_blocks,
         bytes_per_block=min(allocated) // num_blocks,
         blocks_per_request=per_request,

@@ -32,8 +32,17 @@ def patch(module: Any) -> None:
     def apply() -> None:
         module.WorkerBase.kv_cache_limit_pages = kv_cache_limit_pages
         module.WorkerBase.kv_cache_limit_allocated = worker_kv_cache_bytes
+        module.WorkerBase.kv_cache_limit_chunk_blocks = kv_cache_limit_chunk_blocks
 
     optional(WORKER_BASE, apply)
+
+
+def kv_cache_limit_chunk_blocks(self: Any) -> int:
+    """Blocks this worker returns or commits together: a chunk of its
+    extensible KV cache, else 1."""
+    kv_cache = getattr(getattr(self, "model_runner", None), "extensible_kv_cache", None)
+    plan = None if kv_cache is None else extensible_kv_cache.plan_of(kv_cache)
+    return 1 if plan is None else plan.blocks_per_chunk
 
 
 def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -> int:
