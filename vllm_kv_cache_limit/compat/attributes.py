@@ -174,6 +174,74 @@ _RESIZE_WITHHOLD = "`RuntimeLimit.withhold`: which free blocks at or above the l
 _RESIZE_CLIENT = "`set_kv_cache_max_memory`, `kv_cache_limit_status` (and their async forms): the engine-core client"
 
 RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
+    *(
+        Attribute(
+            ("vllm.utils.extensible_tensor",),
+            "_VirtualBuffer",
+            attr,
+            f"`hooks.runtime.extensible_tensor.unmap`: {why}",
+            versions=">=0.34",
+        )
+        for attr, why in (
+            ("_handles", "the mapped chunks, those above the limit unmapped and forgotten"),
+            ("_mapped_granules", "the granules vLLM skips when it commits; released ones are dropped"),
+            ("_driver", "the VMM driver the chunks are unmapped and released through"),
+            ("base_ptr", "the reservation's address, where a chunk's offset starts"),
+            ("granularity", "the granule, to drop a released chunk's granules"),
+        )
+    ),
+    *(
+        Attribute(
+            ("vllm.utils.extensible_tensor",),
+            "ExtensibleTensor",
+            attr,
+            f"`hooks.runtime.extensible_kv_cache`: {why}",
+            versions=">=0.34",
+        )
+        for attr, why in (
+            ("_buffer", "the virtual buffer a chunk plan is given to and released from"),
+            ("_committed", "each segment's committed prefix, lowered to the limit after a release"),
+        )
+    ),
+    *(
+        Attribute(
+            ("vllm.v1.worker.extensible_kv_cache",),
+            "ExtensibleKVCache",
+            attr,
+            f"`hooks.runtime.extensible_kv_cache`: {why}",
+            versions=">=0.34",
+        )
+        for attr, why in (
+            ("num_committed_blocks", "lowered to the limit after a release, so that wake-up recommits the limit"),
+            ("buffer", "the ExtensibleTensor behind the cache"),
+            ("segment_offsets", "where each segment starts: the chunk plan"),
+            ("segment_strides", "each segment's bytes per block: the chunk plan"),
+            ("capacity_blocks", "the reservation in blocks: the chunk plan"),
+            ("min_committed_blocks", "the blocks that stay mapped whatever the limit"),
+            ("physical_bytes", "what is mapped: zero while the engine sleeps"),
+        )
+    ),
+    Attribute(
+        ("vllm.config.cache",),
+        "CacheConfig",
+        "enable_extensible_kv_cache",
+        "`hooks.runtime.extensible_kv_cache.refusal`, `_read_allocation`: whether the workers map the cache in chunks",
+        versions=">=0.34",
+    ),
+    Attribute(
+        ("vllm.config.kv_transfer",),
+        "KVTransferConfig",
+        "kv_connector_extra_config",
+        "`hooks.runtime.extensible_kv_cache.refusal`: SimpleCPUOffloadConnector's lazy_offload reads free blocks",
+        versions=">=0.34",
+    ),
+    Attribute(
+        ("vllm.config.attention",),
+        "AttentionConfig",
+        "hisparse_config",
+        "`hooks.runtime.extensible_kv_cache.refusal`: HiSparse reads freed blocks, so memory is not returned",
+        versions=">=0.34",
+    ),
     Attribute(("vllm.v1.core.kv_cache_utils",), "KVCacheBlock", "block_id", _RESIZE_WITHHOLD),
     Attribute(("vllm.v1.core.kv_cache_utils",), "KVCacheBlock", "ref_cnt", _RESIZE_WITHHOLD + "; blocks in use"),
     Attribute(("vllm.v1.core.kv_cache_utils",), "KVCacheBlock", "is_null", _RESIZE_WITHHOLD),

@@ -215,7 +215,21 @@ EXTENSIBLE_KV_CACHE_PHYSICAL_BYTES_FOR = Hook(
     versions=">=0.34",
 )
 
-HOOKS = (EXTEND_KV_CACHE, EXTENSIBLE_KV_CACHE_COMMIT, EXTENSIBLE_KV_CACHE_PHYSICAL_BYTES_FOR)
+# Called, not wrapped: what needs the cache's whole mapping (``refusal``).
+KV_TRANSFER_REGISTERS_MEMORY = Hook(
+    ("vllm.config.kv_transfer",), "KVTransferConfig.registers_kv_cache_memory", ("self",), versions=">=0.34"
+)
+KV_TRANSFER_HAS_CONNECTOR = Hook(
+    ("vllm.config.kv_transfer",), "KVTransferConfig.has_connector", ("self", "connector_name"), versions=">=0.34"
+)
+
+HOOKS = (
+    EXTEND_KV_CACHE,
+    EXTENSIBLE_KV_CACHE_COMMIT,
+    EXTENSIBLE_KV_CACHE_PHYSICAL_BYTES_FOR,
+    KV_TRANSFER_REGISTERS_MEMORY,
+    KV_TRANSFER_HAS_CONNECTOR,
+)
 
 TARGETS = {"vllm.v1.worker.extensible_kv_cache": patch}
 """vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""
