@@ -195,7 +195,7 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
             ("vllm.utils.extensible_tensor",),
             "ExtensibleTensor",
             attr,
-            f"`hooks.runtime.extensible_kv_cache`: {why}",
+            f"`hooks.runtime.extensible_kv_cache.release_above`: {why}",
             versions=">=0.34",
         )
         for attr, why in (
@@ -208,7 +208,7 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
             ("vllm.v1.worker.extensible_kv_cache",),
             "ExtensibleKVCache",
             attr,
-            f"`hooks.runtime.extensible_kv_cache`: {why}",
+            f"`hooks.runtime.extensible_kv_cache.release_above`: {why}",
             versions=">=0.34",
         )
         for attr, why in (
