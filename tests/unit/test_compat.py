@@ -700,8 +700,7 @@ def test_script_names_attributes_a_source_tree_cannot_show(
     assert "4 more not shown by vLLM's source" in attributes and "argparse.ArgumentParser._actions" in attributes
     resize = len(compat.for_version(compat.RESIZE_ATTRIBUTES, compat.installed_vllm_version()))
     assert any(
-        line.startswith("OK   source") and f"all {resize} run-time resize attributes fit" in line
-        for line in lines
+        line.startswith("OK   source") and f"all {resize} run-time resize attributes fit" in line for line in lines
     ), lines
     edit(source_copy, "vllm.v1.core.block_pool", r"self\.enable_caching = ", "self.caching = ")
     assert script.main(["--no-installed", "--source", str(source_copy)]) == 1
