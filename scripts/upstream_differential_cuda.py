@@ -140,11 +140,29 @@ def _run_case(fakes: types.ModuleType, model: str, args: dict[str, Any], free: i
             num_blocks = scheduler_config.num_blocks
         allocated = max(t.size for t in configs[0].kv_cache_tensors) * len(configs[0].kv_cache_tensors)
         assert allocated == num_blocks * block_bytes, (allocated, num_blocks, block_bytes)
+        committed = _committed_by_plugin()
+        if committed is not None:
+            # The plugin's block pool keeps the cap's reservation and the
+            # engine starts at a run-time limit: compare what is committed.
+            num_blocks, allocated = committed, committed * block_bytes
         return f"{num_blocks} blocks, {allocated} bytes" + (" (extensible)" if extensible else "")
     except Exception as exc:  # the outcome compared, whatever it is
         return _outcome(exc)
     finally:
         monkeypatch.undo()
+
+
+def _committed_by_plugin() -> int | None:
+    """The blocks the plugin's engine core starts at when its block pool
+    covers more (vLLM 0.34's extensible cache under a cap); None otherwise,
+    and without the plugin (the patched side)."""
+    try:
+        from vllm_kv_cache_limit.hooks.cap import engine_core as cap_engine_core
+    except ImportError:
+        return None
+    committed = getattr(cap_engine_core._active, "committed", None)
+    cap_engine_core._active.committed = None
+    return committed
 
 
 def child(model: str) -> None:

@@ -99,12 +99,22 @@ def test_the_cap_bounds_the_reservation_and_the_committed_size_and_the_final_siz
 
 
 def test_warmup_leaving_less_than_the_cap_commits_what_vllm_measured(fake_gpu: FakeGPU, tiny_model: str) -> None:
+    """The block pool keeps the cap's reservation (a run-time limit can grow
+    to it later); the engine core starts at the blocks vLLM measured, which
+    the workers commit (``tests/cuda_wheel/test_extensible_resize.py``)."""
+    from vllm_kv_cache_limit.hooks.cap import engine_core as cap_engine_core
 
     config, configs, scheduler_config, _ = _plan(tiny_model, "64M", 8 * GiB)
     reserved = scheduler_config.num_blocks
+    sizes = [t.size for c in configs for t in c.kv_cache_tensors]
     measured = [CompilationTimes(1.0, 0.0, num_kv_blocks=reserved // 2)]
     num_blocks, lines = _finalize(config, configs, scheduler_config, measured)
-    assert num_blocks == reserved // 2
+    assert num_blocks == reserved == scheduler_config.num_blocks == config.cache_config.num_gpu_blocks
+    assert [c.num_blocks for c in configs] == [reserved] and [
+        t.size for c in configs for t in c.kv_cache_tensors
+    ] == sizes
+    assert cap_engine_core._active.committed == reserved // 2  # the limit the engine core starts at
+    cap_engine_core._active.committed = None
     (line,) = lines
     assert f"at {reserved // 2} blocks" in line and f"vLLM measured {reserved // 2} blocks" in line
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import vllm.utils.extensible_tensor as extensible_tensor
+import vllm.v1.worker.gpu_worker as gpu_worker  # before the fake CUDA platform: its import asks the kernels
 import vllm.v1.worker.extensible_kv_cache as vllm_extensible
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
@@ -35,7 +36,7 @@ from tests.cuda_wheel.test_vmm_standin import RSS_SLACK, read_in_child, rss_shme
 from tests.cuda_wheel.vmm_standin import HostVmmDriver, MiB, VmmRuleError
 from vllm_kv_cache_limit.hooks.runtime import autoscaler
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
-from vllm_kv_cache_limit.hooks.runtime.engine_core import start_autoscaling
+from vllm_kv_cache_limit.hooks.runtime.engine_core import start_at, start_autoscaling
 from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState, RuntimeLimit
 from vllm_kv_cache_limit.hooks.wrap import WRAPPED
 from vllm_kv_cache_limit.logic import envs, limit_math
@@ -96,14 +97,21 @@ def _kv_cache_config() -> KVCacheConfig:
     )
 
 
-def _engine(tiny_model: str, cap: int | None = NUM_BLOCKS * BYTES_PER_BLOCK, hisparse: bool = False) -> EngineCore:
+def _engine(
+    tiny_model: str,
+    cap: int | None = NUM_BLOCKS * BYTES_PER_BLOCK,
+    hisparse: bool = False,
+    measure_with: FakeGPU | None = None,
+) -> EngineCore:
     """An engine core over vLLM's scheduler, its one worker's extensible KV
     cache extended by vLLM's ``extend_kv_cache`` (through the plugin) to all
-    ``NUM_BLOCKS`` blocks."""
+    ``NUM_BLOCKS`` blocks; ``measure_with``: vLLM's worker measured the
+    memory after warmup on that GPU first (``measure_kv_cache_blocks``)."""
     scheduler = sched._scheduler(tiny_model)
     config = _kv_cache_config()
     vllm_config = scheduler.vllm_config
     vllm_config.cache_config.enable_extensible_kv_cache = True
+    vllm_config.cache_config.kv_cache_max_memory = cap  # as the plugin's argument sets it
     if hisparse:
         vllm_config.attention_config.hisparse_config = SimpleNamespace()
     layout = KVCacheLayout.LBNHC
@@ -122,6 +130,14 @@ def _engine(tiny_model: str, cap: int | None = NUM_BLOCKS * BYTES_PER_BLOCK, his
         device=torch.device("cuda:0"),
         compilation_config=SimpleNamespace(static_forward_context={}),
     )
+    if measure_with is not None:
+        vllm_extensible.measure_kv_cache_blocks(
+            cache,
+            vllm_config,
+            torch.device("cuda:0"),
+            init_free_memory=measure_with.free,
+            requested_memory=measure_with.total,
+        )
     vllm_extensible.extend_kv_cache(runner, config, NUM_BLOCKS)
     core = sched._engine_core(scheduler)
     core.model_executor = _Workers(SimpleNamespace(model_runner=runner))
@@ -409,3 +425,38 @@ def test_two_autoscaled_caches_under_one_shared_budget_trade_committed_memory(
             if core is not None:
                 _scaler(core).close()
                 _cache(core).free()
+
+
+def test_a_cache_extended_to_the_cap_commits_what_warmup_measured_and_grows_to_the_cap_later(
+    fake_gpu: FakeGPU, tiny_model: str, driver: HostVmmDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Warmup left room for fewer blocks than the cap: the engine core gives
+    the workers the cap's blocks (block pool, views), each worker commits
+    what it measured, the engine starts with a limit there, and the limit
+    later grows to the cap, committing the memory as it does."""
+    assert gpu_worker.measure_kv_cache_blocks is vllm_extensible.measure_kv_cache_blocks  # the worker calls the wrapper
+    assert gpu_worker.extend_kv_cache is vllm_extensible.extend_kv_cache
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, device=None: None)
+    monkeypatch.setattr(sched, "NUM_BLOCKS", NUM_BLOCKS)
+    fake_gpu.free = (1 << 30) + 20 * MiB  # vLLM keeps 1 GiB free: about 20 MiB for the cache
+    core = _engine(tiny_model, measure_with=fake_gpu)
+    try:
+        cache = _cache(core)
+        measured = cache._kvcl_measured
+        assert 100 < measured < 2 * BLOCKS_PER_CHUNK < NUM_BLOCKS
+        runner = core.model_executor.worker.model_runner
+        assert runner.kv_cache_config.num_blocks == NUM_BLOCKS  # views and block tables cover the cap
+        assert cache.num_committed_blocks == measured
+        assert driver.mapped_bytes == cache.physical_bytes_for(measured) < NUM_BLOCKS * BYTES_PER_BLOCK
+
+        start_at(core, measured)
+        limit = RuntimeLimit.of(core.scheduler.kv_cache_manager.block_pool)
+        assert limit.limit == measured
+        assert max(b.block_id for b in limit.pool.free_block_queue.get_all_free_blocks()) < measured
+        assert driver.mapped_bytes == cache.physical_bytes_for(measured)
+
+        assert not limit_math.is_error(_set(core, NUM_BLOCKS))  # the neighbour left: up to the cap
+        assert driver.mapped_bytes == NUM_BLOCKS * BYTES_PER_BLOCK
+        assert cache.num_committed_blocks == NUM_BLOCKS
+    finally:
+        _cache(core).free()

@@ -24,6 +24,7 @@ from vllm_kv_cache_limit.logic.cap_decision import (
     cap_error_message,
     too_small_message,
 )
+from vllm_kv_cache_limit.logic.errors import KVCacheResizeError
 from vllm_kv_cache_limit.logic.kv_cache import backing_bytes
 from vllm_kv_cache_limit.logic.relay import relay_cap_error
 from vllm_kv_cache_limit.logic.sizes import format_gib, format_size
@@ -67,7 +68,9 @@ def _hold_startup_lock(original: Callable) -> Callable:
             return original(self, vllm_config, *args, **kwargs)
 
         def start() -> None:
+            _active.committed = None
             original(self, vllm_config, *args, **kwargs)
+            _start_at_committed(self)
             _start_autoscaling(self, vllm_config)
 
         try:
@@ -102,6 +105,19 @@ def _hold_startup_lock(original: Callable) -> Callable:
             raise
 
     return __init__
+
+
+def _start_at_committed(engine_core: Any) -> None:
+    """Where the block pool covers the cap's reservation but warmup left
+    room for fewer blocks (``_report_final_size``), start with a run-time
+    limit at the blocks committed; it can grow to the cap later."""
+    committed = getattr(_active, "committed", None)
+    _active.committed = None
+    if committed is None:
+        return
+    from vllm_kv_cache_limit.hooks.runtime.engine_core import start_at
+
+    start_at(engine_core, committed)
 
 
 def _start_autoscaling(engine_core: Any, vllm_config: Any) -> None:
@@ -169,6 +185,8 @@ def _report_final_size(original: Callable) -> Callable:
         measured = [t.num_kv_blocks for t in compilation_times if getattr(t, "num_kv_blocks", None) is not None]
         cap_binds = any(d.bound for d in settled) and (not measured or min(measured) >= reserved)
         _active.decision = settled if cap_binds else None
+        configs = [*kv_cache_configs, scheduler_kv_cache_config]
+        planned = [(config, config.num_blocks, list(config.kv_cache_tensors)) for config in configs]
         try:
             num_blocks = original(vllm_config, kv_cache_configs, scheduler_kv_cache_config, compilation_times)
         finally:
@@ -187,9 +205,36 @@ def _report_final_size(original: Callable) -> Callable:
             else f"fewer than (vLLM measured {min(measured) if measured else num_blocks} blocks' memory free after warmup)",
             reserved,
         )
+        if num_blocks < reserved and _reserve_for_cap(vllm_config):
+            # The block pool and the workers' views cover the reservation (the
+            # cap); the workers commit what warmup measured, and a run-time
+            # limit at it starts the engine (``_start_at_committed``).
+            for config, blocks, tensors in planned:
+                config.num_blocks, config.kv_cache_tensors = blocks, tensors
+            vllm_config.cache_config.num_gpu_blocks = reserved
+            _active.committed = num_blocks
+            logger.info(
+                "KV cache max memory: the block pool covers the cap's %d blocks; %d of them are committed (what "
+                "fits after warmup), and a run-time limit can grow to the cap when the device has the memory.",
+                reserved,
+                num_blocks,
+            )
+            return reserved
         return num_blocks
 
     return finalize_extensible_kv_cache
+
+
+def _reserve_for_cap(vllm_config: Any) -> bool:
+    """Whether the workers can commit less than the block pool covers: a
+    run-time limit returns and commits GPU memory on this engine."""
+    from vllm_kv_cache_limit.hooks.runtime import availability, extensible_kv_cache
+
+    try:
+        availability.require_hooks()
+    except KVCacheResizeError:
+        return False
+    return extensible_kv_cache.refusal(vllm_config) is None
 
 
 def _log_decision(vllm_config: Any, decisions: list[CapDecision], configs: list[Any]) -> None:

@@ -233,6 +233,19 @@ def _set_limit(self: Any, nbytes: int, mode: str, log: bool = True) -> dict[str,
     return _kv_cache_limit_status(self)
 
 
+def start_at(engine_core: Any, committed: int) -> None:
+    """Start with a run-time limit at the ``committed`` blocks of a block
+    pool that covers the cap's reservation (vLLM 0.34's extensible KV cache
+    with warmup leaving room for fewer blocks than the cap): the limit can
+    grow to the cap later, committing GPU memory as it does."""
+    allocation = allocation_of(engine_core)
+    reply = _set_limit(engine_core, committed * allocation.bytes_per_block, "drain", log=False)
+    if limit_math.is_error(reply):
+        raise KVCacheMaxMemoryError(
+            f"The KV cache could not start at the {committed} blocks committed after warmup: {reply['error']}"
+        )
+
+
 def _refuse_unreturnable(engine_core: Any, nbytes: int) -> None:
     """Refuse a lower limit where the workers' extensible KV cache cannot
     give the memory above it back (a feature needs its whole mapping)."""

@@ -39,6 +39,7 @@ def patch(module: Any) -> None:
     vLLM's original commits the final size, in chunks. Without a cap: the
     original alone."""
     optional(EXTEND_KV_CACHE, functools.partial(wrap, module, "extend_kv_cache", _chunked_before))
+    optional(MEASURE_KV_CACHE_BLOCKS, functools.partial(wrap, module, "measure_kv_cache_blocks", _remember_measured))
 
 
 def refusal(vllm_config: Any) -> str | None:
@@ -69,14 +70,64 @@ def _lazy_offload(transfer: Any) -> bool:
     return any(c.get("lazy_offload") or (c.get("kv_connector_extra_config") or {}).get("lazy_offload") for c in configs)
 
 
+def _remember_measured(original: Callable) -> Callable:
+    """Why: under a cap the engine core may extend the cache to the cap's
+    reservation while warmup measured room for fewer blocks; this worker
+    then commits only what it measured. How: wraps
+    ``measure_kv_cache_blocks``; the result is kept on the cache."""
+
+    def measure_kv_cache_blocks(kv_cache: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> int:
+        num_blocks = original(kv_cache, vllm_config, *args, **kwargs)
+        if cap_of(vllm_config.cache_config) is not None:
+            kv_cache._kvcl_measured = num_blocks
+        return num_blocks
+
+    return measure_kv_cache_blocks
+
+
 def _chunked_before(original: Callable) -> Callable:
     def extend_kv_cache(runner: Any, kv_cache_config: Any, num_blocks: int, *args: Any, **kwargs: Any) -> Any:
         kv_cache = getattr(runner, "extensible_kv_cache", None)
-        if kv_cache is not None and cap_of(runner.cache_config) is not None:
-            _give_plan(runner, kv_cache)
-        return original(runner, kv_cache_config, num_blocks, *args, **kwargs)
+        if kv_cache is None or cap_of(runner.cache_config) is None:
+            return original(runner, kv_cache_config, num_blocks, *args, **kwargs)
+        _give_plan(runner, kv_cache)
+        measured = getattr(kv_cache, "_kvcl_measured", None)
+        if plan_of(kv_cache) is None or measured is None or measured >= num_blocks:
+            return original(runner, kv_cache_config, num_blocks, *args, **kwargs)
+        return _extend_committing(original, kv_cache, measured, runner, kv_cache_config, num_blocks, *args, **kwargs)
 
     return extend_kv_cache
+
+
+def _extend_committing(original: Callable, kv_cache: Any, measured: int, *args: Any, **kwargs: Any) -> Any:
+    """vLLM's ``extend_kv_cache`` to the block count it is given (the cap's
+    reservation: views, block tables and bindings over all of it), with
+    only the ``measured`` blocks mapped; the cache then counts those as
+    committed, as a run-time limit at them would leave it."""
+    commit = kv_cache.commit
+    strides = kv_cache.segment_strides
+
+    def commit_measured(num_blocks: int, defragment: bool = False, shrink: bool = False) -> None:
+        commit(min(num_blocks, measured), defragment=defragment, shrink=shrink)
+        # vLLM builds the views over the blocks it asked for: their addresses are reserved.
+        kv_cache.num_committed_blocks = min(num_blocks, kv_cache.capacity_blocks)
+        kv_cache.buffer._committed = [kv_cache.num_committed_blocks * stride for stride in strides]
+
+    kv_cache.commit = commit_measured
+    try:
+        result = original(*args, **kwargs)
+    finally:
+        del kv_cache.commit
+    kv_cache.num_committed_blocks = min(kv_cache.num_committed_blocks, measured)
+    kv_cache.buffer._committed = [kv_cache.num_committed_blocks * stride for stride in strides]
+    logger.info(
+        "KV cache max memory: %d of the %d blocks reserved are committed (%s); the rest is committed as a "
+        "run-time limit grows.",
+        kv_cache.num_committed_blocks,
+        kv_cache.capacity_blocks,
+        format_size(kv_cache.physical_bytes),
+    )
+    return result
 
 
 def _give_plan(runner: Any, kv_cache: Any) -> None:
@@ -201,6 +252,16 @@ EXTEND_KV_CACHE = Hook(
     remove_when=RESIZE_REMOVE,
 )
 
+MEASURE_KV_CACHE_BLOCKS = Hook(
+    ("vllm.v1.worker.extensible_kv_cache",),
+    "measure_kv_cache_blocks",
+    ("kv_cache", "vllm_config", "device"),
+    versions=">=0.34",
+    wrapper=_remember_measured,
+    upstream=extensible_tensor.UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
 # Called, not wrapped: committing up to a raised limit; the physical bytes.
 EXTENSIBLE_KV_CACHE_COMMIT = Hook(
     ("vllm.v1.worker.extensible_kv_cache",),
@@ -225,6 +286,7 @@ KV_TRANSFER_HAS_CONNECTOR = Hook(
 
 HOOKS = (
     EXTEND_KV_CACHE,
+    MEASURE_KV_CACHE_BLOCKS,
     EXTENSIBLE_KV_CACHE_COMMIT,
     EXTENSIBLE_KV_CACHE_PHYSICAL_BYTES_FOR,
     KV_TRANSFER_REGISTERS_MEMORY,
