@@ -137,7 +137,10 @@ def render(doc: dict[str, Any], width: int) -> Any:
         if width >= NARROW:
             table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, header_style="bold")
             for column in COLUMNS:
-                table.add_column(column.upper(), justify="left" if column == "instance" else "right")
+                if column == "instance":  # a long host name wraps; the figures never do
+                    table.add_column(column.upper(), overflow="fold", ratio=1)
+                else:
+                    table.add_column(column.upper(), justify="right", no_wrap=True)
             for row, shown in zip(group["instances"], rows):
                 table.add_row(*(shown[c] for c in COLUMNS), style=None if row["status"] == "read" else "yellow")
             parts.append(table)
@@ -187,7 +190,7 @@ def _live(console: Any, folder: str, api_key: str | None, timeout: float, interv
     """Refresh the screen every ``interval`` seconds until interrupted."""
     from rich.live import Live
 
-    with Live(console=console, auto_refresh=False, screen=False, transient=False) as live:
+    with Live(console=console, auto_refresh=False, screen=True) as live:
         while True:
             live.update(render(gather(folder, api_key, timeout), console.width), refresh=True)
             time.sleep(interval)

@@ -90,8 +90,9 @@ def document(lock_dir: str, entries: list[Entry], statuses: dict[str, Status], n
 
 
 def size(nbytes: int | None) -> str:
-    """A size for a narrow column (``48MiB``), ``-`` when not known."""
-    return "-" if nbytes is None else format_size(int(nbytes))
+    """A size for a narrow column, in the binary units of the size flags
+    (``48M`` is 48 MiB, as ``--kv-cache-max-memory 48M``), ``-`` when not known."""
+    return "-" if nbytes is None else format_size(int(nbytes)).removesuffix("iB")
 
 
 def share(held: int | None, budget: int | None) -> str:
