@@ -135,10 +135,12 @@ def render(doc: dict[str, Any], width: int) -> Any:
             parts.append(line)
         rows = [kv_top.cells(row, now) for row in group["instances"]]
         if width >= NARROW:
-            table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, header_style="bold")
+            table = Table(
+                box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True, header_style="bold"
+            )
             for column in COLUMNS:
                 if column == "instance":  # a long host name wraps; the figures never do
-                    table.add_column(column.upper(), overflow="fold", ratio=1)
+                    table.add_column(column.upper(), overflow="fold")
                 else:
                     table.add_column(column.upper(), justify="right", no_wrap=True)
             for row, shown in zip(group["instances"], rows):

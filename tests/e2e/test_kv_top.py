@@ -100,14 +100,16 @@ def row_of(seen: dict[str, Any], base: str) -> dict[str, Any] | None:
     return next((row for url, row in seen["rows"].items() if url.startswith(base + "/")), None)
 
 
-def wait_for(condition: Callable[[], Any], what: str, timeout: float) -> Any:
+def wait_for(condition: Callable[[], Any], what: str, timeout: float, last: list[str] | None = None) -> Any:
+    """Poll ``condition`` until it returns something true, at most ``timeout``
+    seconds; ``last``: what the failure shows (the last screen seen)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = condition()
         if found:
             return found
         time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}" + (f":\n{last[0]}" if last else ""))
 
 
 def test_json_lists_the_three_with_their_caps_and_devices(three: dict[str, Any]) -> None:
@@ -187,6 +189,10 @@ def test_live_view_in_tmux_shows_the_three_and_the_budget_bar(three: dict[str, A
         shlex.quote(part)
         for part in [
             "env",
+            "-u",
+            "COLUMNS",  # the terminal's size, not a size handed down, sets the layout
+            "-u",
+            "LINES",
             f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}",
             sys.executable,
             "-m",
@@ -203,23 +209,25 @@ def test_live_view_in_tmux_shows_the_three_and_the_budget_bar(three: dict[str, A
     try:
         budget_bar = re.compile(r"budget \[[#.]+\] \S+ of 40M held")
 
+        shown: list[str] = [""]
+
         def wide() -> str | None:
-            text = _screen(tmux, session)
+            text = shown[0] = _screen(tmux, session)
             return text if all(label in text for label in labels) and budget_bar.search(text) else None
 
-        screen = wait_for(wide, "the live view with the three instances and the budget bar", 30)
+        screen = wait_for(wide, "the live view with the three instances and the budget bar", 30, shown)
         header = next(line for line in screen.splitlines() if "INSTANCE" in line)
         assert all(column in header for column in ("CAP", "LIMIT", "HELD", "FLOOR", "IN USE", "DEMAND", "WAIT"))
         assert f"{servers['c'].base}" not in screen  # the three were read: no "status not read" note
         subprocess.run([*tmux, "resize-window", "-t", session, "-x", str(NARROW), "-y", "60"], check=True)
 
         def narrow() -> str | None:
-            text = _screen(tmux, session)
+            text = shown[0] = _screen(tmux, session)
             lines = text.splitlines()
             whole = all(any(line.strip() == label for line in lines) for label in labels)
             return text if whole and "INSTANCE" not in text and budget_bar.search(text) else None
 
-        screen = wait_for(narrow, f"the view redrawn for {NARROW} columns", 30)
+        screen = wait_for(narrow, f"the view redrawn for {NARROW} columns", 30, shown)
         # Every instance's figures still read as name and value, none cut off.
         assert len(re.findall(r"\bcap\s+48M\b", screen)) == 2 and len(re.findall(r"\bcap\s+32M\b", screen)) == 1
         assert len(re.findall(r"\blimit\s+\d", screen)) == 3 and len(re.findall(r"\bin use\s+\d+/\d+", screen)) == 3

@@ -78,6 +78,7 @@ def document(lock_dir: str, entries: list[Entry], statuses: dict[str, Status], n
                 group["budget"] = row["budget"]
             group["instances"].append(row)
     for group in devices.values():
+        group["instances"].sort(key=lambda row: (row["host"], row["pid"], row["entry"]))
         holds = [row["held"] for row in group["instances"] if row["budget"] is not None]
         group["held"] = sum(h for h in holds if h is not None) if holds else None
         group["held_unknown"] = sum(1 for h in holds if h is None)
