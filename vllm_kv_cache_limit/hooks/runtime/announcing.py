@@ -33,9 +33,9 @@ def start(engine_core: Any, vllm_config: Any, folder: str | None = None) -> None
     cap = cap_of(vllm_config.cache_config)
     if cap is None:
         return
-    state = EngineCoreState.of(engine_core)
-    scaler = state.autoscaler
     try:
+        state = EngineCoreState.of(engine_core)
+        scaler = state.autoscaler
         devices, _ = instance_devices(vllm_config)
         bpb = scaler.allocation.bytes_per_block if scaler is not None else 0
         entry = announce.record(
