@@ -32,6 +32,17 @@ class Failure(Exception):
     """A problem that ends the program with one line (never a traceback)."""
 
 
+def seconds(text: str) -> float:
+    """A positive number of seconds (argparse quotes a bad one)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0, such as 1 or 0.5")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -53,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("VLLM_API_KEY"),
         help="the servers' --api-key, to read their status (default: VLLM_API_KEY)",
     )
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between two refreshes (default 1)")
-    parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for a server's status (default 2)")
+    parser.add_argument("--interval", type=seconds, default=1.0, help="seconds between two refreshes (default 1)")
+    parser.add_argument(
+        "--timeout", type=seconds, default=2.0, help="seconds to wait for a server's status (default 2)"
+    )
     return parser
 
 

@@ -240,11 +240,11 @@ def test_a_bad_lock_folder_is_one_line_quoting_it(tmp_path: Path, kind: str) -> 
         assert "--lock-dir PATH" in result.stderr
 
 
-def test_a_bad_option_is_argparse_s_line(tmp_path: Path) -> None:
-    result = top("--interval", "soon")
-    assert (
-        result.returncode == 2 and "invalid float value: 'soon'" in result.stderr and "Traceback" not in result.stderr
-    )
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "inf"])
+def test_a_bad_interval_is_one_line_quoting_it(value: str) -> None:
+    result = top("--interval", value)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"argument --interval: {value!r} is not a number of seconds above 0, such as 1 or 0.5" in result.stderr
 
 
 def test_it_imports_no_vllm_nor_torch_and_starts_at_once(tmp_path: Path) -> None:

@@ -172,7 +172,7 @@ def _gauge(key: str) -> Any:
 def _limit_gauge() -> Any:
     """``vllm:kv_cache_limit_bytes`` on the server's ``/metrics``: the KV
     cache bytes per worker the limit allows (the start-up cap until the
-    first resize or status call)."""
+    first status is read, at the first scrape or call)."""
     return _gauge("limit")
 
 
