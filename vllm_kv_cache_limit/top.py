@@ -181,6 +181,7 @@ def render(doc: dict[str, Any], width: int) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``vllm-kv-top`` command; returns its exit status (2: a bad input, told in one line)."""
     args = build_parser().parse_args(argv)
     folder = args.lock_dir or lock_dir()
     try:
