@@ -41,13 +41,15 @@ needs longer says so with its own ``pytest.mark.timeout``. Unit tests keep
 the project-wide limit (``timeout`` in pyproject.toml)."""
 
 
-ALONE_MODULES = ("e2e/test_cap.py", "e2e/test_sharing.py", "e2e/test_autoscale.py")
+ALONE_MODULES = ("e2e/test_cap.py", "e2e/test_sharing.py", "e2e/test_autoscale.py", "e2e/test_kv_top.py")
 """End-to-end modules that run while no other end-to-end module does
 (``_module_lock`` in ``tests/e2e/conftest.py``); ``make test`` gives them to
 one worker, one after the other. ``test_cap`` and ``test_sharing`` make
 premises on the memory node's free memory (ballast, vLLM's own gate, the
 fit checks); ``test_autoscale`` loads two servers bound to the two cores
-with 48 clients for minutes, which starved an engine beside it."""
+with 48 clients for minutes, which starved an engine beside it;
+``test_kv_top`` runs three servers bound to the two cores, one of them
+loaded, and times how soon a killed one leaves the view."""
 
 
 def xdist_group(path: str) -> str:

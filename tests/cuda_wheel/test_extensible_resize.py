@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 import vllm.utils.extensible_tensor as extensible_tensor
-import vllm.v1.worker.gpu_worker as gpu_worker  # before the fake CUDA platform: its import asks the kernels
 import vllm.v1.worker.extensible_kv_cache as vllm_extensible
+import vllm.v1.worker.gpu_worker as gpu_worker  # before the fake CUDA platform: its import asks the kernels
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.kv_cache_layout import KVCacheLayout

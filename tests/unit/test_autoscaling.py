@@ -317,14 +317,14 @@ def test_a_ledger_this_instance_may_not_write_is_refused_quoting_it(
     modes do not stop.)"""
     from vllm_kv_cache_limit.logic import budget_ledger
 
-    real = budget_ledger._open_regular
+    real = budget_ledger.open_regular
 
     def refuse_entries(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int | None:
         if name.endswith(budget_ledger.ENTRY_SUFFIX):
             raise PermissionError(13, "Permission denied", name)
         return real(dir_fd, name, flags, mode)
 
-    monkeypatch.setattr(budget_ledger, "_open_regular", refuse_entries)
+    monkeypatch.setattr(budget_ledger, "open_regular", refuse_entries)
     engine = Engine()
     scaler = new_autoscaler(engine, 300 * BPB)
     message = join_refused(scaler, tmp_path)

@@ -23,17 +23,15 @@ No vLLM import here.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
 import secrets
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kv_cache_limit.logic.shared_folder import LockSetupError, open_folder
+from vllm_kv_cache_limit.logic.shared_folder import LockSetupError, open_folder, open_regular
 from vllm_kv_cache_limit.logic.startup_lock import LOCK_DIR_ADVICE, holder_label, lock_name, open_lock_folder
 
 LEDGER_LOCK = "ledger.lock"
@@ -44,21 +42,6 @@ RECORD_BYTES = 4096
 def folder_name(key: str) -> str:
     """The ledger folder of a device key such as ``cpu-node0``."""
     return "budget-" + lock_name(key).removesuffix(".lock")
-
-
-def _open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int | None:
-    """Open ``name`` in the folder without following a link; None when it
-    is not a regular file (or is gone)."""
-    try:
-        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOENT, errno.ENXIO, errno.EISDIR):
-            return None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return None
-    return fd
 
 
 def _write(fd: int, record: dict[str, Any]) -> None:
@@ -109,7 +92,7 @@ class Ledger:
         finally:
             os.close(top)
         try:
-            lock_fd = _open_regular(self.dir_fd, LEDGER_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+            lock_fd = open_regular(self.dir_fd, LEDGER_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError:
             os.close(self.dir_fd)
             raise
@@ -138,7 +121,7 @@ class Ledger:
         try:
             if self.entry_fd < 0:  # join: created under the lock, so no reader sees it unlocked
                 self.entry_name = f"{secrets.token_hex(8)}{ENTRY_SUFFIX}"
-                fd = _open_regular(self.dir_fd, self.entry_name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                fd = open_regular(self.dir_fd, self.entry_name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
                 if fd is None:
                     raise LockSetupError(f"the ledger entry {os.path.join(self.path, self.entry_name)} is not a file")
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -152,7 +135,7 @@ class Ledger:
         for name in sorted(os.listdir(self.dir_fd)):
             if not name.endswith(ENTRY_SUFFIX) or name == self.entry_name:
                 continue
-            fd = _open_regular(self.dir_fd, name, os.O_RDONLY)
+            fd = open_regular(self.dir_fd, name, os.O_RDONLY)
             if fd is None:
                 continue
             try:

@@ -15,7 +15,9 @@ when:
 
 A folder is opened without following a link (``O_NOFOLLOW | O_DIRECTORY``),
 and its mode is read from the opened descriptor, so it cannot change between
-the check and the use. No vLLM import here.
+the check and the use; a file in it is opened relative to it, without
+following a link, and only used when it is a regular file
+(:func:`open_regular`). No vLLM import here.
 """
 
 from __future__ import annotations
@@ -77,4 +79,19 @@ def open_folder(name: str, shown: str, what: str, advice: str, dir_fd: int | Non
             f"to it could rename or remove the instances' files. Make it sticky (chmod +t {shown}), "
             f"restrict it to one group (chgrp GROUP {shown}; chmod 2770 {shown}), or {advice}"
         )
+    return fd
+
+
+def open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int | None:
+    """Open ``name`` in the folder ``dir_fd`` without following a link (nor
+    blocking on a FIFO); None when it is not a regular file (or is gone)."""
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOENT, errno.ENXIO, errno.EISDIR):
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
     return fd

@@ -155,6 +155,17 @@ async def async_kv_cache_limit_status(engine: Any) -> dict[str, Any]:
     return await _call_async(engine, "kv_cache_limit_status")
 
 
+async def async_announce_status_url(engine: Any, url: str) -> None:
+    """Tell every engine core of an ``AsyncLLM`` where its status is read
+    (written into its entry in the lock folder, ``hooks.runtime.announcing``)."""
+    client = _client(engine)
+    engines = list(getattr(client, "core_engines", None) or [])
+    if len(engines) < 2:
+        await client.call_utility_async("kv_cache_limit_announce", url)
+        return
+    await asyncio.gather(*(client._call_utility_async("kv_cache_limit_announce", url, engine=e) for e in engines))
+
+
 def patch(module: Any) -> None:
     """Why: an autoscaled engine core in the caller's process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) has no input queue to wake; while

@@ -13,7 +13,7 @@ from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.hooks.devices import instance_devices
-from vllm_kv_cache_limit.hooks.runtime import autoscaler, extensible_kv_cache, shared_budget, wakeups
+from vllm_kv_cache_limit.hooks.runtime import announcing, autoscaler, extensible_kv_cache, shared_budget, wakeups
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
 from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional, require_hooks
 from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState, RuntimeLimit, allocation_of, pages_of
@@ -35,6 +35,7 @@ def patch(module: Any) -> None:
     def apply() -> None:
         module.EngineCore.kv_cache_limit_set = _kv_cache_limit_set
         module.EngineCore.kv_cache_limit_status = _kv_cache_limit_status
+        module.EngineCore.kv_cache_limit_announce = announcing.set_status_url
 
     optional(ENGINE_CORE, apply)
     for hook in (ENGINE_CORE_STEP, ENGINE_CORE_STEP_WITH_BATCH_QUEUE, ENGINE_CORE_ABORT_REQUESTS):
@@ -102,11 +103,16 @@ def _leave_budget_first(original: Callable) -> Callable:
     notebook, an in-process engine) would keep its ledger entry, and with it
     its share of the shared budget, until that process exits; a clean exit
     would leave its entry file for the next reader to remove. How: wraps
-    ``EngineCore.shutdown`` to stop the autoscaler and remove its entries
-    before the original tears the engine down. Without autoscaling the
-    original runs alone."""
+    ``EngineCore.shutdown`` to remove the engine core's announcement
+    (``hooks.announcing``), stop the autoscaler and remove its entries
+    before the original tears the engine down. Without either the original
+    runs alone."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            announcing.stop(self)
+        except Exception:  # never in the way of vLLM's own shutdown
+            logger.exception("Removing this instance's entry from the lock folder failed; the process exit drops it.")
         state = EngineCoreState.peek(self)
         scaler = None if state is None else state.autoscaler
         if state is not None and scaler is not None:
@@ -272,9 +278,20 @@ def _kv_cache_limit_status(self: Any) -> dict[str, Any]:
     status = limit_math.status(
         limit.allocation, limit.limit, limit.requested, limit.mode, in_use, above, limit.released_bytes
     )
+    running, waiting = _request_counts(self.scheduler)
+    status.update(num_requests_running=running, num_requests_waiting=waiting, last_change_at=limit.changed_at)
     scaler = _autoscaler_of(self)
     status["autoscale"] = None if scaler is None else scaler.status()
     return status
+
+
+def _request_counts(scheduler: Any) -> tuple[int | None, int | None]:
+    """Requests the scheduler runs and keeps waiting (None where it cannot say)."""
+    try:
+        running, waiting = scheduler.get_request_counts()
+        return int(running), int(waiting)
+    except Exception:
+        return None, None
 
 
 def start_autoscaling(self: Any) -> None:

@@ -25,6 +25,7 @@ from vllm_kv_cache_limit.logic.sizes import format_size
 
 if TYPE_CHECKING:
     from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
+    from vllm_kv_cache_limit.logic.announce import Announcement
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -49,6 +50,8 @@ class RuntimeLimit:
     withheld: set[int] = dataclasses.field(default_factory=set)
     released_from: int | None = None
     released_bytes: int = 0
+    changed_at: float | None = None
+    """Wall-clock time of the last change of the limit (None: never changed)."""
 
     @classmethod
     def of(cls, pool: Any) -> RuntimeLimit | None:
@@ -96,6 +99,8 @@ class RuntimeLimit:
             self.limit, self.requested, self.mode = old, old_requested, old_mode
             self.settle()
             raise
+        if new != old:
+            self.changed_at = time.time()
         return old
 
     def shrink(self, scheduler: Any) -> None:
@@ -235,6 +240,8 @@ class EngineCoreState:
     """An in-process engine core's autoscaling lock: held by every call the
     client makes into it (``hooks.runtime.client``) and by a decision its
     timer takes (``autoscaler.start_deciding``)."""
+    announcement: Announcement | None = None
+    """With a cap: this engine core's entry in the lock folder (``hooks.announcing``)."""
 
     @classmethod
     def of(cls, engine_core: Any) -> EngineCoreState:

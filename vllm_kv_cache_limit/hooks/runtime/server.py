@@ -1,10 +1,12 @@
 """vllm.entrypoints: ``--enable-kv-cache-resize`` and the HTTP routes, guarded
 by ``--api-key`` (``GET`` alone with ``--kv-cache-autoscale``, which also
-keeps ``vllm:kv_cache_limit_bytes`` current).
+keeps the ``vllm:kv_cache_*`` gauges current); a server with the routes
+tells its engine cores their URL for ``vllm-kv-top``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +15,11 @@ from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.hooks.runtime.availability import optional
-from vllm_kv_cache_limit.hooks.runtime.client import async_kv_cache_limit_status, async_set_kv_cache_max_memory
+from vllm_kv_cache_limit.hooks.runtime.client import (
+    async_announce_status_url,
+    async_kv_cache_limit_status,
+    async_set_kv_cache_max_memory,
+)
 from vllm_kv_cache_limit.hooks.wrap import wrap
 from vllm_kv_cache_limit.logic.errors import KVCacheResizeError, KVCacheResizeFailed
 
@@ -71,11 +77,48 @@ def _add_routes(original: Callable) -> Callable:
                 logger.info(
                     "KV cache autoscale: GET %s reads the limit in force (changing it needs %s).", ROUTE, ENABLE_FLAG
                 )
-        if autoscaled:
+            _announce_on_startup(app, status_url(args))
             _refresh_gauge_on_scrape(app)
         return app
 
     return build_app
+
+
+def status_url(args: Any) -> str | None:
+    """Where a reader on this host finds the status route: the server's
+    host and port (the loopback address for a server on every address),
+    None for a server on a Unix socket."""
+    if getattr(args, "uds", None) or not getattr(args, "port", None):
+        return None
+    host = getattr(args, "host", None) or ""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+    return f"{scheme}://{host}:{args.port}{ROUTE}"
+
+
+def _announce_on_startup(app: Any, url: str | None) -> None:
+    """Once the server starts (its engine client set on ``app.state``), tell
+    the engine cores the status URL, for their entries in the lock folder.
+    Wraps the app's lifespan; a failure is logged, never raised."""
+    if url is None:
+        return
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(started: Any) -> Any:
+        async with inner(started) as state:
+            try:
+                await async_announce_status_url(started.state.engine_client, url)
+            except Exception as exc:
+                logger.warning("The status URL %s is not in this instance's entry for vllm-kv-top: %r", url, exc)
+            yield state
+
+    app.router.lifespan_context = lifespan
 
 
 def _error(status_code: int, message: str, kind: str) -> Any:
@@ -87,33 +130,76 @@ def _error(status_code: int, message: str, kind: str) -> Any:
     )
 
 
-_gauge: Any = None
+GAUGES = {
+    "limit": (
+        "vllm:kv_cache_limit_bytes",
+        "KV cache bytes per worker that the run-time limit allows (vllm-kv-cache-limit).",
+    ),
+    "held": (
+        "vllm:kv_cache_held_bytes",
+        "KV cache bytes per device this instance holds of the shared budget (vllm-kv-cache-limit).",
+    ),
+    "floor": (
+        "vllm:kv_cache_floor_bytes",
+        "KV cache bytes per worker an autoscaled limit never goes below (vllm-kv-cache-limit).",
+    ),
+    "budget": (
+        "vllm:kv_cache_shared_budget_bytes",
+        "The shared KV cache budget per device this instance takes part in (vllm-kv-cache-limit).",
+    ),
+    "in_use": ("vllm:kv_cache_blocks_in_use", "KV cache blocks in use under the run-time limit (vllm-kv-cache-limit)."),
+    "blocks_limit": (
+        "vllm:kv_cache_blocks_limit",
+        "KV cache blocks the run-time limit allows, vLLM's null block included (vllm-kv-cache-limit).",
+    ),
+}
+"""The gauges a server with the status route keeps: key -> (name, help)."""
+
+_gauges: dict[str, Any] = {}
+"""The gauges once made: prometheus_client's registry is the process's, so one set per process."""
+
+
+def _gauge(key: str) -> Any:
+    """One of :data:`GAUGES` on the server's ``/metrics`` (made on first use)."""
+    if key not in _gauges:
+        from prometheus_client import Gauge
+
+        name, text = GAUGES[key]
+        _gauges[key] = Gauge(name, text, multiprocess_mode="mostrecent")
+    return _gauges[key]
 
 
 def _limit_gauge() -> Any:
     """``vllm:kv_cache_limit_bytes`` on the server's ``/metrics``: the KV
     cache bytes per worker the limit allows (the start-up cap until the
-    first resize or status call)."""
-    global _gauge
-    if _gauge is None:
-        from prometheus_client import Gauge
+    first status is read, at the first scrape or call)."""
+    return _gauge("limit")
 
-        _gauge = Gauge(
-            "vllm:kv_cache_limit_bytes",
-            "KV cache bytes per worker that the run-time limit allows (vllm-kv-cache-limit).",
-            multiprocess_mode="mostrecent",
-        )
-    return _gauge
+
+def _show_in_gauges(status: dict[str, Any]) -> None:
+    """Every gauge from one status reply (a figure the reply lacks keeps its value)."""
+    scale = status.get("autoscale") or {}
+    figures = {
+        "limit": status.get("kv_cache_limit_bytes"),
+        "in_use": status.get("num_blocks_in_use"),
+        "blocks_limit": status.get("num_blocks_limit"),
+        "held": scale.get("held_bytes"),
+        "floor": scale.get("floor_bytes"),
+        "budget": scale.get("shared_budget"),
+    }
+    for key, value in figures.items():
+        if value is not None:
+            _gauge(key).set(value)
 
 
 def _refresh_gauge_on_scrape(app: Any) -> None:
-    """An autoscaled engine changes its limit by itself: each scrape of
-    ``/metrics`` (vLLM mounts prometheus's ASGI app there) first reads the
-    limit in force into the gauge."""
-    gauge = _limit_gauge()
+    """An autoscaled engine changes its limit by itself, and the blocks in
+    use change with every step: each scrape of ``/metrics`` (vLLM mounts
+    prometheus's ASGI app there) first reads the status into the gauges."""
+    _limit_gauge()
     mounts = [route for route in app.routes if getattr(route, "path", None) == "/metrics" and hasattr(route, "app")]
     if not mounts:
-        logger.warning("vllm:kv_cache_limit_bytes shows autoscaled limits only after a GET %s: no /metrics.", ROUTE)
+        logger.warning("The vllm:kv_cache_* gauges change only at a GET %s: no /metrics.", ROUTE)
         return
     for mount in mounts:
         inner = mount.app
@@ -121,10 +207,9 @@ def _refresh_gauge_on_scrape(app: Any) -> None:
         async def refreshed(scope: Any, receive: Any, send: Any, inner: Any = inner) -> None:
             if scope.get("type") == "http":
                 try:
-                    status = await async_kv_cache_limit_status(scope["app"].state.engine_client)
-                    gauge.set(status["kv_cache_limit_bytes"])
+                    _show_in_gauges(await async_kv_cache_limit_status(scope["app"].state.engine_client))
                 except Exception as exc:  # the scrape goes on with the last value
-                    logger.debug("vllm:kv_cache_limit_bytes not refreshed: %r", exc)
+                    logger.debug("The vllm:kv_cache_* gauges not refreshed: %r", exc)
             await inner(scope, receive, send)
 
         mount.app = refreshed
@@ -142,7 +227,7 @@ def _router(args: Any, allow_post: bool = True) -> Any:
         gauge.set(cap)
 
     def shown(status: dict[str, Any]) -> dict[str, Any]:
-        gauge.set(status["kv_cache_limit_bytes"])
+        _show_in_gauges(status)
         return status
 
     def authorized(request: Any) -> bool:
