@@ -267,3 +267,21 @@ def bare_gpu_worker(config: Any) -> Any:
     worker.init_snapshot = MemorySnapshot(device="cuda:0")
     worker.requested_memory = gpu_worker.request_memory(worker.init_snapshot, worker.cache_config, 0)
     return worker
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The host-memory stand-in (``tests/cuda_wheel/vmm_standin.py``, 2 MiB
+    granularity) as vLLM 0.34's VMM driver, and the torch device calls vLLM
+    makes around it (no device here) as no-ops."""
+    import torch
+    import vllm.utils.extensible_tensor as extensible_tensor
+
+    from tests.cuda_wheel.vmm_standin import HostVmmDriver, MiB
+
+    standin = HostVmmDriver(2 * MiB)
+    monkeypatch.setattr(extensible_tensor, "get_vmm_driver", lambda: standin)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: None, raising=False)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None, raising=False)
+    yield standin
+    standin.close()

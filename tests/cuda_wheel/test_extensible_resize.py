@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import signal
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -53,16 +52,6 @@ BLOCKS_PER_CHUNK = 128
 BYTES_PER_BLOCK = PAGE * len(LAYERS)
 LIMIT = 200
 """Lowered limit: blocks 200-255 stay in the second chunk, 256-511 go."""
-
-
-@pytest.fixture
-def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostVmmDriver]:
-    standin = HostVmmDriver(GRANULE)
-    monkeypatch.setattr(extensible_tensor, "get_vmm_driver", lambda: standin)
-    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: None, raising=False)
-    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None, raising=False)
-    yield standin
-    standin.close()
 
 
 class _Workers:

@@ -15,11 +15,9 @@ import ctypes
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
-import vllm.utils.extensible_tensor as extensible_tensor
 from vllm.utils.extensible_tensor import ExtensibleTensor
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -31,18 +29,6 @@ GRANULE = 2 * MiB
 RSS_SLACK = 2 * MiB
 """What other shared-memory pages may move the reading by during a test."""
 CHILD_TIMEOUT_S = 20.0
-
-
-@pytest.fixture
-def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostVmmDriver]:
-    """The stand-in as vLLM's VMM driver, and the torch device calls vLLM
-    makes around it (no device here) as no-ops."""
-    standin = HostVmmDriver(GRANULE)
-    monkeypatch.setattr(extensible_tensor, "get_vmm_driver", lambda: standin)
-    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: None, raising=False)
-    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None, raising=False)
-    yield standin
-    standin.close()
 
 
 def rss_shmem() -> int:
