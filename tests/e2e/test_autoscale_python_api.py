@@ -139,7 +139,8 @@ import vllm_kv_cache_limit as kvl
 from tests.helpers import enter_engine_process, kv_cache_resident_bytes, ledger_holds, live_ledger_entries
 
 def rss_fall(worker):
-    # How far the worker's RSS fell at its last release, measured around its madvise calls.
+    # How far the worker's RSS (less LazyFree: the idle fall releases lazily) fell at its
+    # last release, measured around its madvise calls.
     return int(getattr(worker, "_kvcl_rss_fall", 0))
 
 if __name__ == "__main__":
