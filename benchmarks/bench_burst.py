@@ -28,9 +28,11 @@ not). Per run and kind of burst: the sums over the cycles, CPU per
 generated token, TTFT (the first streamed chunk). Per round, the ratios to
 the static server of the same round; the summary gives their median, min
 and max. Default run: 6 rounds, 2 cycles (about 10 min on the 2-core
-machine of RESULTS.md, start-up included).
+machine of RESULTS.md, start-up included). ``--fresh-servers`` starts the
+three servers again for every round, so that no server process's own state
+(its allocator's, say) weighs on every round of its variant.
 
-    python benchmarks/bench_burst.py [--rounds 6] [--cycles 2]
+    python benchmarks/bench_burst.py [--rounds 6] [--cycles 2] [--fresh-servers]
 """
 
 from __future__ import annotations
@@ -376,6 +378,11 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=512, help="default 512")
     parser.add_argument("--cap", default="48M", help="--kv-cache-max-memory (default 48M)")
     parser.add_argument("--name", default="burst", help="results name (default burst)")
+    parser.add_argument(
+        "--fresh-servers",
+        action="store_true",
+        help="start the three servers again for every round (no allocator state carried between rounds)",
+    )
     args = parser.parse_args()
     model = c.model_path(args)
     signal.signal(signal.SIGTERM, _terminate)
@@ -395,33 +402,36 @@ def main() -> None:
             f"{args.name}-{STATIC}": (server_args(args, model), c.bench_env(**common)),
         }
         print(f"starting {len(launch)} servers ...", flush=True)
-        with api_servers(launch, c.RESULTS_DIR, c.ENGINE_TIMEOUT_S, c.REPO) as up:
-            servers = {name.removeprefix(f"{args.name}-"): server for name, server in up.items()}
-            for name, server in servers.items():
-                if server.ready_s is None:
-                    raise SystemExit(f"{name} did not start: see {server.log_path}")
-            pids = {name: processes(server.pid) for name, server in servers.items() if server.pid}
-            # The static server serves no limit route: its limit is the cap.
-            floors = {
-                name: None if name == STATIC else status(server.base)["autoscale"]["floor_bytes"]
-                for name, server in servers.items()
-            }
-            counter = [0]
-            for server in servers.values():  # each server's first load, not measured
-                burst(server.base, args.clients, WORDS * 10, 16, 10**6 + counter[0])
-                counter[0] += args.clients
-            for rnd in range(args.rounds):
-                order = VARIANTS[rnd % 3 :] + VARIANTS[: rnd % 3]
-                for variant in order:
-                    server = servers[variant]
-                    for row in run_variant(variant, server.base, pids[variant], floors[variant], args, counter):
-                        rows.append({"round": rnd, **row, "load_avg_1m": round(os.getloadavg()[0], 2)})
-                        print(
-                            f"round {rnd} {variant} {row['kind']}: worker {c.fmt(row['worker_ms_per_token'])} ms/token, "
-                            f"{row['worker_minor_faults']:.0f} faults, TTFT p50 {c.fmt(row['ttft_p50_s'])} s, "
-                            f"{row['tokens']} tokens, {row['failed']} failed",
-                            flush=True,
-                        )
+        counter = [0]
+        # One set of servers for the whole run, or (--fresh-servers) a new one every round.
+        batches = [[rnd] for rnd in range(args.rounds)] if args.fresh_servers else [list(range(args.rounds))]
+        for rounds in batches:
+            with api_servers(launch, c.RESULTS_DIR, c.ENGINE_TIMEOUT_S, c.REPO) as up:
+                servers = {name.removeprefix(f"{args.name}-"): server for name, server in up.items()}
+                for name, server in servers.items():
+                    if server.ready_s is None:
+                        raise SystemExit(f"{name} did not start: see {server.log_path}")
+                pids = {name: processes(server.pid) for name, server in servers.items() if server.pid}
+                # The static server serves no limit route: its limit is the cap.
+                floors = {
+                    name: None if name == STATIC else status(server.base)["autoscale"]["floor_bytes"]
+                    for name, server in servers.items()
+                }
+                for server in servers.values():  # each server's first load, not measured
+                    burst(server.base, args.clients, WORDS * 10, 16, 10**6 + counter[0])
+                    counter[0] += args.clients
+                for rnd in rounds:
+                    order = VARIANTS[rnd % 3 :] + VARIANTS[: rnd % 3]
+                    for variant in order:
+                        server = servers[variant]
+                        for row in run_variant(variant, server.base, pids[variant], floors[variant], args, counter):
+                            rows.append({"round": rnd, **row, "load_avg_1m": round(os.getloadavg()[0], 2)})
+                            print(
+                                f"round {rnd} {variant} {row['kind']}: worker {c.fmt(row['worker_ms_per_token'])} "
+                                f"ms/token, {row['worker_minor_faults']:.0f} faults, TTFT p50 "
+                                f"{c.fmt(row['ttft_p50_s'])} s, {row['tokens']} tokens, {row['failed']} failed",
+                                flush=True,
+                            )
         print("servers stopped", flush=True)
     found = ratios(rows)
     summary = summarize(found)
