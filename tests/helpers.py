@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from vllm_kv_cache_limit.logic.kv_cache import kv_cache_storages, rss_bytes, worker_kv_cache_bytes
+from vllm_kv_cache_limit.logic.kv_cache import kv_cache_storages, lazy_free_bytes_in, rss_bytes, worker_kv_cache_bytes
 
 RESULT_PREFIX = "PROBE_RESULT "
 
@@ -147,15 +147,24 @@ def _cpu_storage_pages(worker: Any) -> list[tuple[int, int, list[bool]]] | None:
 
 def kv_cache_resident_bytes(worker: Any) -> int | None:
     """How many bytes of a worker's KV cache storages are resident in RAM
-    (``mincore`` over each; CPU backend, Linux), or None where it cannot be
-    read: allocated bytes are not resident until written, and pages given
-    back with ``madvise`` are not resident until written again."""
+    and held (``mincore`` over each, less the pages released lazily,
+    ``LazyFree`` in ``/proc/self/smaps``; CPU backend, Linux), or None where
+    it cannot be read: allocated bytes are not resident until written, pages
+    given back with ``MADV_DONTNEED`` are not resident until written again,
+    and pages given back with ``MADV_FREE`` stay resident but are the
+    kernel's to take until written again."""
     import mmap
 
     storages = _cpu_storage_pages(worker)
     if storages is None:
         return None
-    return sum(min(nbytes, sum(pages) * mmap.PAGESIZE) for _, nbytes, pages in storages)
+    with open("/proc/self/smaps") as smaps:
+        mappings = smaps.read()
+    held = 0
+    for ptr, nbytes, pages in storages:
+        resident = min(nbytes, sum(pages) * mmap.PAGESIZE)
+        held += max(0, resident - lazy_free_bytes_in(mappings, ptr, ptr + nbytes))
+    return held
 
 
 def kv_cache_fault_in(worker: Any) -> int | None:

@@ -104,7 +104,7 @@ class _Workers:
         return output
 
     def releases(self) -> list[tuple[Any, ...]]:
-        """The ``(keep, num_blocks, release)`` of each page call the plugin made."""
+        """The ``(keep, num_blocks, release, lazy)`` of each page call the plugin made."""
         return [args for method, args in self.rpcs if method == "kv_cache_limit_pages"]
 
 
@@ -277,7 +277,7 @@ def test_preempt_mode_preempts_exactly_the_requests_holding_blocks_above_the_lim
     assert _pool(core).get_usage() == pytest.approx(1 - 1 / (LIMIT - 1))
     assert status["num_blocks_in_use"] == 9 and status["num_blocks_in_use_above_limit"] == 0 and status["holds"]
     # Nothing above the limit in use: the workers are asked for its pages at once.
-    assert core.model_executor.releases() == [(LIMIT, NUM_BLOCKS, True)]
+    assert core.model_executor.releases() == [(LIMIT, NUM_BLOCKS, True, False)]
 
     _run(core, _below(core, LIMIT))
 
@@ -330,7 +330,7 @@ def test_drain_mode_preempts_nothing_and_withholds_blocks_above_the_limit_as_the
 
     assert [r.status for r in requests[:5]] == [RequestStatus.FINISHED_LENGTH_CAPPED] * 5
     assert late.status == RequestStatus.FINISHED_LENGTH_CAPPED and late.num_output_tokens == MAX_TOKENS
-    assert core.model_executor.releases() == [(LIMIT, NUM_BLOCKS, True)]
+    assert core.model_executor.releases() == [(LIMIT, NUM_BLOCKS, True, False)]
     status = core.kv_cache_limit_status()
     assert status["holds"] and status["num_blocks_in_use"] == 0
     assert sorted(_limit(core).withheld) == list(range(LIMIT, NUM_BLOCKS))

@@ -22,6 +22,8 @@ from vllm_kv_cache_limit.logic.autoscale_policy import (
     fits_floors,
     give_back,
     grant,
+    lazy_release,
+    release_lazily,
     shrink_after_s,
 )
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
@@ -528,3 +530,23 @@ def test_autoscale_with_ranks_that_each_schedule_is_refused_naming_the_backend()
     text = str(info.value)
     for part in ("--kv-cache-autoscale", "external_launcher", "2 tensor- or pipeline-parallel ranks", "mp or ray"):
         assert part in text, text
+
+
+def test_lazy_release_from_the_environment() -> None:
+    assert lazy_release({}) is True
+    assert lazy_release({envs.LAZY_RELEASE: ""}) is True
+    assert lazy_release({envs.LAZY_RELEASE: " 1 "}) is True
+    assert lazy_release({envs.LAZY_RELEASE: "0"}) is False
+    with pytest.raises(KVCacheMaxMemoryError, match=rf"{envs.LAZY_RELEASE}='no'.*{envs.LAZY_RELEASE}=0"):
+        lazy_release({envs.LAZY_RELEASE: "no"})
+
+
+def test_only_a_shrink_after_idling_releases_lazily() -> None:
+    idle = "demand below the limit for 30 s"
+    assert release_lazily(True, 100, 20, 400, idle)
+    assert not release_lazily(False, 100, 20, 400, idle)  # turned off
+    assert not release_lazily(True, 20, 100, 400, idle)  # a grow
+    assert not release_lazily(True, 100, 100, 400, idle)  # no change
+    assert not release_lazily(True, 500, 400, 400, idle)  # down to the ceiling
+    assert not release_lazily(True, 100, 20, 400, "another instance needs the shared budget")
+    assert not release_lazily(True, 100, 20, 400, "above the ceiling")

@@ -46,6 +46,8 @@ class Engine:
     limit: int = BLOCKS
     withheld: set[int] = field(default_factory=set)
     calls: list[int] = field(default_factory=list)
+    lazy: list[bool] = field(default_factory=list)
+    """Per call of ``set_limit``: whether the pages above the limit go back lazily."""
 
     @property
     def scheduler(self) -> Engine:
@@ -58,10 +60,11 @@ class Engine:
     in_use_up_to: int = 0
     """Blocks below this stay in use (a drain above the limit waits for them)."""
 
-    def set_limit(self, engine: Any, nbytes: int, mode: str) -> dict[str, Any]:
+    def set_limit(self, engine: Any, nbytes: int, mode: str, lazy: bool = False) -> dict[str, Any]:
         assert engine is self and mode == "drain"
         self.limit = nbytes // BPB
         self.calls.append(self.limit)
+        self.lazy.append(lazy)
         self.settle()
         return {"kv_cache_limit_bytes": nbytes}
 
@@ -146,6 +149,33 @@ def test_a_grow_is_decided_at_once_and_anything_else_at_most_every_tick() -> Non
     tick(engine, scaler, 100.2)
     tick(engine, scaler, 100.4)
     assert engine.limit == 20, engine.calls
+    # The grow returns no pages; the shrink after idling returns them lazily.
+    assert engine.lazy[-2:] == [False, True], (engine.calls, engine.lazy)
+
+
+def test_without_lazy_release_a_shrink_after_idling_returns_the_pages_at_once() -> None:
+    engine = Engine()
+    scaler = new_autoscaler(engine, None)
+    scaler.lazy_release = False
+    scaler.hysteresis = Hysteresis(Policy(20, 8, shrink_after_s=0.0))
+    engine.set_limit(engine, 20 * BPB, "drain")
+    engine.requests = {str(i): Request(num_tokens=5, num_prompt_tokens=5, max_tokens=500) for i in range(3)}
+    tick(engine, scaler, 100.0)
+    engine.requests = {}
+    tick(engine, scaler, 100.2)
+    tick(engine, scaler, 100.4)
+    assert engine.calls[-2:] == [33, 20] and engine.lazy[-2:] == [False, False], (engine.calls, engine.lazy)
+
+
+def test_a_fall_to_the_ceiling_returns_the_pages_at_once() -> None:
+    engine = Engine()
+    scaler = new_autoscaler(engine, None)
+    scaler.hysteresis = Hysteresis(Policy(20, 8, shrink_after_s=0.0))
+    engine.set_limit(engine, 100 * BPB, "drain")
+    engine.demand(90)
+    scaler.ceiling = 50
+    tick(engine, scaler, 100.0)
+    assert engine.calls[-1] == 50 and engine.lazy[-1] is False, (engine.calls, engine.lazy)
 
 
 def test_a_demand_held_above_the_ceiling_is_not_decided_again_before_the_tick() -> None:
@@ -202,6 +232,8 @@ def test_one_grows_into_the_budget_and_gives_back_when_the_other_needs_it(pair) 
     assert b.limit == sb.floor  # nothing free yet
     tick(a, sa, now + 1)
     assert a.limit == sa.floor
+    # Another instance needs the memory: A returns it at once, not lazily.
+    assert a.lazy[-1] is False, a.lazy
     # A's entry holds its old limit until its drain holds (its next decision).
     assert sa.held > sa.floor
     tick(a, sa, now + 2)
@@ -683,7 +715,7 @@ def test_a_grow_the_engine_refuses_leaves_the_ledger_as_it_was(pair, tmp_path: P
     held = sa.held
     refused: list[int] = []
 
-    def set_limit(engine: Any, nbytes: int, mode: str) -> dict[str, Any]:
+    def set_limit(engine: Any, nbytes: int, mode: str, lazy: bool = False) -> dict[str, Any]:
         refused.append(nbytes // BPB)
         return {"error": "the workers did not answer"}
 

@@ -14,10 +14,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_kv_cache_limit.logic.kv_cache import (
+    MADV_DONTNEED,
+    MADV_FREE,
     backing_bytes,
     bytes_per_block,
+    held_bytes,
     kv_cache_storages,
     kv_cache_tensors,
+    lazy_free_bytes_in,
+    release_advice,
+    smaps_field_kib,
     worker_kv_cache_bytes,
 )
 
@@ -82,3 +88,85 @@ def test_import_loads_neither_torch_nor_vllm() -> None:
     code = "import sys, vllm_kv_cache_limit.logic.kv_cache; print(sorted({'torch', 'vllm'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+ROLLUP = """55d0c0a00000-7ffd3b7fe000 ---p 00000000 00:00 0                          [rollup]
+Rss:              123456 kB
+Pss:              120000 kB
+Anonymous:        100000 kB
+LazyFree:          40960 kB
+AnonHugePages:         0 kB
+"""
+
+SMAPS = """7f0000000000-7f0004000000 rw-p 00000000 00:00 0
+Size:              65536 kB
+Rss:               65536 kB
+LazyFree:          40960 kB
+VmFlags: rd wr mr mw me ac
+7f0004000000-7f0004001000 r--p 00000000 08:01 1234                       /usr/lib/libc.so.6
+Size:                  4 kB
+Rss:                   4 kB
+LazyFree:              4 kB
+7f0005000000-7f0005400000 rw-p 00000000 00:00 0
+Rss:                1024 kB
+LazyFree:            512 kB
+"""
+
+
+def test_release_advice() -> None:
+    assert (MADV_DONTNEED, MADV_FREE) == (4, 8)  # Linux's numbers
+    assert release_advice(lazy=True) == MADV_FREE
+    assert release_advice(lazy=False) == MADV_DONTNEED
+
+
+def test_held_bytes_is_rss_less_lazy_free() -> None:
+    assert smaps_field_kib(ROLLUP, "Rss") == 123456
+    assert smaps_field_kib(ROLLUP, "LazyFree") == 40960
+    assert held_bytes(ROLLUP) == (123456 - 40960) * 1024
+    assert held_bytes("Rss: 10 kB\n") == 10 * 1024  # a kernel without LazyFree
+    assert smaps_field_kib(SMAPS, "Rss") == 65536 + 4 + 1024
+
+
+def test_lazy_free_bytes_in_counts_the_mappings_that_overlap() -> None:
+    base = 0x7F0000000000
+    # Inside the first mapping only.
+    assert lazy_free_bytes_in(SMAPS, base + 4096, base + 8192) == 40960 * 1024
+    # Across the first two: both count; the third (not reached) does not.
+    assert lazy_free_bytes_in(SMAPS, base, 0x7F0004000800) == (40960 + 4) * 1024
+    # The end is exclusive, and a range in no mapping counts nothing.
+    assert lazy_free_bytes_in(SMAPS, 0x7F0004001000, 0x7F0005000000) == 0
+    assert lazy_free_bytes_in(SMAPS, 0x7F0005000000, 0x7F0005000001) == 512 * 1024
+
+
+def test_a_lazy_release_shows_in_this_process_held_bytes() -> None:
+    import ctypes
+    import mmap
+    import os
+
+    if not os.path.exists("/proc/self/smaps_rollup"):
+        pytest.skip("no /proc/self/smaps_rollup")
+    from vllm_kv_cache_limit.logic.kv_cache import self_held_bytes
+
+    size = 64 * 2**20
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.write(b"x" * size)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        before = self_held_bytes()
+        if libc.madvise(address, size, MADV_FREE) != 0:
+            pytest.skip("no MADV_FREE on this kernel")
+        with open("/proc/self/smaps") as smaps:
+            lazy = lazy_free_bytes_in(smaps.read(), address, address + size)
+        assert lazy >= 0.9 * size, lazy
+        assert before - self_held_bytes() >= 0.9 * size
+        # Written again, the pages are held again, with their new content.
+        region.seek(0)
+        region.write(b"y" * size)
+        with open("/proc/self/smaps") as smaps:
+            assert lazy_free_bytes_in(smaps.read(), address, address + size) == 0
+        assert region[:1] == b"y" and region[size - 1 :] == b"y"
+    finally:
+        del address
+        region.close()

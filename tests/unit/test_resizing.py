@@ -27,7 +27,7 @@ def pool():
 
 def limit_of(pool, limit: int):
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
-    state = RuntimeLimit.attach(pool, allocation, pages=lambda keep, num_blocks, release: 0)
+    state = RuntimeLimit.attach(pool, allocation, pages=lambda keep, num_blocks, release, lazy: 0)
     state.limit = limit
     return state
 

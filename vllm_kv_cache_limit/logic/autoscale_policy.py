@@ -231,3 +231,30 @@ def shrink_after_s(environ: Mapping[str, str] | None = None) -> float:
         )
     except ValueError as exc:
         raise KVCacheMaxMemoryError(str(exc)) from None
+
+
+def lazy_release(environ: Mapping[str, str] | None = None) -> bool:
+    """``VLLM_KV_CACHE_LIMIT_LAZY_RELEASE``: whether a shrink after idling
+    returns the pages lazily (``1``, the default) or at once (``0``)."""
+    raw = (os.environ if environ is None else environ).get(envs.LAZY_RELEASE, "").strip()
+    if raw in ("", "1"):
+        return True
+    if raw == "0":
+        return False
+    raise KVCacheMaxMemoryError(
+        f"{envs.LAZY_RELEASE}={raw!r} is neither 0 nor 1; use {envs.LAZY_RELEASE}=0 to return the pages of an "
+        f"idle autoscaled engine at once (MADV_DONTNEED), or 1 (the default) to return them lazily (MADV_FREE)."
+    )
+
+
+IDLE_REASON_PREFIX = "demand below the limit"
+"""How the reason of a shrink after idling (the hysteresis) begins."""
+
+
+def release_lazily(enabled: bool, limit: int, new: int, ceiling: int, reason: str) -> bool:
+    """Whether the pages above a new limit go back lazily (``MADV_FREE``):
+    only for a shrink after idling, within the ceiling, with lazy release
+    ``enabled``. A fall to the ceiling (a manual resize) or for another
+    instance of the shared budget, which may need the memory at once,
+    returns the pages at once, as does any change that is not a fall."""
+    return enabled and new < limit <= ceiling and reason.startswith(IDLE_REASON_PREFIX)

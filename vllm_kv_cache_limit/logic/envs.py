@@ -31,7 +31,12 @@ LOCK_TIMEOUT = "VLLM_KV_CACHE_LIMIT_LOCK_TIMEOUT"
 SHRINK_AFTER_S = "VLLM_KV_CACHE_LIMIT_SHRINK_AFTER_S"
 """Seconds an autoscaled engine's demand must stay below its limit before it shrinks."""
 
-USER_VARIABLES = (MAX_MEMORY, STARTUP_LOCK, LOCK_DIR, LOCK_TIMEOUT, SHRINK_AFTER_S)
+LAZY_RELEASE = "VLLM_KV_CACHE_LIMIT_LAZY_RELEASE"
+"""``0``: an autoscaled engine that shrinks after idling returns its pages at
+once (``MADV_DONTNEED``), as every other release does, instead of lazily
+(``MADV_FREE``)."""
+
+USER_VARIABLES = (MAX_MEMORY, STARTUP_LOCK, LOCK_DIR, LOCK_TIMEOUT, SHRINK_AFTER_S, LAZY_RELEASE)
 """The variables a user sets (docs/kv-cache-max-memory.md, docs/sharing-a-device.md, docs/autoscale.md)."""
 
 ERROR_FILE = "KV_CACHE_LIMIT_ERROR_FILE"

@@ -11,7 +11,20 @@ from __future__ import annotations
 import mmap
 from typing import Any
 
-__all__ = ["backing_bytes", "bytes_per_block", "kv_cache_storages", "kv_cache_tensors", "worker_kv_cache_bytes"]
+__all__ = [
+    "MADV_DONTNEED",
+    "MADV_FREE",
+    "backing_bytes",
+    "bytes_per_block",
+    "held_bytes",
+    "kv_cache_storages",
+    "kv_cache_tensors",
+    "lazy_free_bytes_in",
+    "release_advice",
+    "self_held_bytes",
+    "smaps_field_kib",
+    "worker_kv_cache_bytes",
+]
 
 
 def kv_cache_tensors(worker: Any) -> list[Any]:
@@ -66,3 +79,63 @@ def rss_bytes() -> int:
     calls and the CPU gate's ceiling."""
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+
+MADV_DONTNEED = 4
+"""Linux: the pages go back to the OS at once (RSS falls; read again as zeros)."""
+MADV_FREE = 8
+"""Linux 4.5+: the pages go back lazily. They stay mapped and counted in RSS,
+as ``LazyFree`` in ``/proc/<pid>/smaps``, until the kernel needs memory: it
+then takes them without writing them anywhere (no swap needed). A write
+before that keeps the page, with no page fault."""
+
+
+def release_advice(lazy: bool) -> int:
+    """The ``madvise`` advice that returns KV cache pages: ``MADV_FREE``
+    for a lazy release, else ``MADV_DONTNEED``."""
+    return MADV_FREE if lazy else MADV_DONTNEED
+
+
+def smaps_field_kib(text: str, field: str) -> int:
+    """The sum of one ``smaps``/``smaps_rollup`` field (``Rss``,
+    ``LazyFree``, ...) in KiB, over every mapping listed in ``text``."""
+    total = 0
+    key = field + ":"
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == key:
+            total += int(parts[1])
+    return total
+
+
+def held_bytes(smaps_rollup: str) -> int:
+    """Resident bytes less those released lazily (``Rss - LazyFree`` of
+    ``/proc/<pid>/smaps_rollup``): the memory a process holds that the
+    kernel cannot take back without writing it out."""
+    return max(0, smaps_field_kib(smaps_rollup, "Rss") - smaps_field_kib(smaps_rollup, "LazyFree")) * 1024
+
+
+def self_held_bytes() -> int:
+    """:func:`held_bytes` of this process."""
+    with open("/proc/self/smaps_rollup") as rollup:
+        return held_bytes(rollup.read())
+
+
+def lazy_free_bytes_in(smaps: str, start: int, end: int) -> int:
+    """Bytes released lazily (``LazyFree``) in the mappings of ``smaps``
+    (the text of ``/proc/<pid>/smaps``) that overlap ``[start, end)``: a
+    mapping that also holds other memory counts whole, an upper bound where
+    only the KV cache is released lazily."""
+    total = 0
+    overlaps = False
+    for line in smaps.splitlines():
+        head = line.split(maxsplit=1)[0] if line.strip() else ""
+        if "-" in head and not head.endswith(":"):
+            low, _, high = head.partition("-")
+            try:
+                overlaps = int(low, 16) < end and start < int(high, 16)
+            except ValueError:
+                overlaps = False
+        elif overlaps and head == "LazyFree:":
+            total += int(line.split()[1]) * 1024
+    return total

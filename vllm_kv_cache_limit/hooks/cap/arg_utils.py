@@ -25,6 +25,7 @@ from vllm_kv_cache_limit.logic.autoscale_policy import (
     SHARED_BUDGET_FLAG,
     check_executor,
     check_settings,
+    lazy_release,
     shrink_after_s,
 )
 from vllm_kv_cache_limit.logic.cap_decision import (
@@ -176,6 +177,7 @@ def _carry_cap_into_config(original: Callable) -> Callable:
         )
         if scaling["kv_cache_autoscale"]:
             shrink_after_s()  # a bad value fails here, quoted
+            lazy_release()
         if cap is None:
             # No cap in force for the processes this engine starts.
             os.environ.pop(envs.ERROR_FILE, None)

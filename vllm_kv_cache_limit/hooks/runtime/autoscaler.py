@@ -84,12 +84,17 @@ class Autoscaler:
     hysteresis: Hysteresis
     ceiling: int
     """Blocks: the start-up allocation, or the last manual resize."""
-    set_limit: Callable[[Any, int, str], dict[str, Any]]
-    """Sets the engine core's limit (``hooks.runtime.engine_core._set_limit``)."""
+    set_limit: Callable[..., dict[str, Any]]
+    """Sets the engine core's limit (``hooks.runtime.engine_core._set_limit``;
+    ``lazy=True`` returns the pages above it lazily)."""
     group_caps: list[tuple[int, int]]
     """Per KV cache group: tokens per block, and the most blocks one request needs."""
     max_model_len: int
     budget: int | None = None
+    lazy_release: bool = True
+    """A shrink after idling returns the pages lazily (``MADV_FREE``): the
+    next burst finds them mapped unless the OS took them meanwhile. Every
+    other fall (the ceiling, the shared budget) returns them at once."""
     device_bytes_per_block: int = 0
     """Bytes a block of the limit takes on one device, over this instance's
     workers there (two tensor-parallel workers on one CPU memory node hold
@@ -188,7 +193,7 @@ class Autoscaler:
         elif limit > self.ceiling:
             reason = "above the ceiling"
         else:
-            reason = f"demand below the limit for {self.hysteresis.policy.shrink_after_s:g} s"
+            reason = f"{autoscale_policy.IDLE_REASON_PREFIX} for {self.hysteresis.policy.shrink_after_s:g} s"
         if new is not None:
             # Whole chunks where the workers map chunks: the limit then holds
             # exactly the memory it commits, and the ledger says so.
@@ -201,7 +206,8 @@ class Autoscaler:
                 reason = "another instance needs the shared budget"
         if new is None or new == limit:
             return
-        if not self.apply(engine_core, limit, new, reason) and self.held != held:
+        lazy = autoscale_policy.release_lazily(self.lazy_release, limit, new, self.ceiling, reason)
+        if not self.apply(engine_core, limit, new, reason, lazy) and self.held != held:
             self._take_back(held)
 
     def _take_back(self, held: int) -> None:
@@ -216,10 +222,10 @@ class Autoscaler:
         except LedgerBusy:
             pass
 
-    def apply(self, engine_core: Any, old: int, new: int, reason: str) -> bool:
-        """Set the limit; whether it was set."""
+    def apply(self, engine_core: Any, old: int, new: int, reason: str, lazy: bool = False) -> bool:
+        """Set the limit (``lazy``: the pages above it go back lazily); whether it was set."""
         bpb = self.allocation.bytes_per_block
-        reply = self.set_limit(engine_core, new * bpb, "drain")
+        reply = self.set_limit(engine_core, new * bpb, "drain", lazy=lazy)
         if limit_math.is_error(reply):
             logger.warning("KV cache autoscaling could not set the limit to %d blocks: %s", new, reply["error"])
             return False

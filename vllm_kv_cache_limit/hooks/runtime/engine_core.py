@@ -19,7 +19,13 @@ from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE
 from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState, RuntimeLimit, allocation_of, pages_of
 from vllm_kv_cache_limit.hooks.wrap import wrap
 from vllm_kv_cache_limit.logic import limit_math
-from vllm_kv_cache_limit.logic.autoscale_policy import Hysteresis, Policy, device_bytes_per_block, shrink_after_s
+from vllm_kv_cache_limit.logic.autoscale_policy import (
+    Hysteresis,
+    Policy,
+    device_bytes_per_block,
+    lazy_release,
+    shrink_after_s,
+)
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError, KVCacheResizeError
 from vllm_kv_cache_limit.logic.sizes import format_size
 
@@ -195,9 +201,11 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
     return _kv_cache_limit_status(self)  # with the new ceiling
 
 
-def _set_limit(self: Any, nbytes: int, mode: str, log: bool = True) -> dict[str, Any]:
+def _set_limit(self: Any, nbytes: int, mode: str, log: bool = True, lazy: bool = False) -> dict[str, Any]:
     """Set the limit to ``nbytes`` per worker (as ``kv_cache_limit_set``
-    without autoscaling); the autoscaler logs its own line (``log=False``)."""
+    without autoscaling); the autoscaler logs its own line (``log=False``).
+    ``lazy``: the pages above the new limit go back lazily (``MADV_FREE``)
+    once it holds, else at once."""
     try:
         require_hooks()
         mode = limit_math.parse_mode(mode)
@@ -213,7 +221,7 @@ def _set_limit(self: Any, nbytes: int, mode: str, log: bool = True) -> dict[str,
         limit = RuntimeLimit.attach(pool, allocation, pages_of(self))
     old_requested = limit.requested
     try:
-        old = limit.change(new, int(nbytes), mode, self.scheduler)
+        old = limit.change(new, int(nbytes), mode, self.scheduler, lazy)
     except Exception as exc:  # restored by ``change``: nothing half applied
         logger.exception(
             "Changing the KV cache limit to %s failed; it stays at %d blocks.", format_size(int(nbytes)), limit.limit
@@ -321,6 +329,7 @@ def start_autoscaling(self: Any) -> None:
         group_caps=groups,
         max_model_len=allocation.max_model_len,
         budget=getattr(cache_config, autoscaler.SHARED_BUDGET),
+        lazy_release=lazy_release(),
     )
     bpb = allocation.bytes_per_block
     if scaler.budget is not None:

@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
 
-Pages = Callable[[int, int, bool], int]
+Pages = Callable[[int, int, bool, bool], int]
 """The workers' pages of blocks ``keep..num_blocks-1``: returned to the OS
-(``release``) or taken back; the bytes it concerned, over all workers."""
+(``release``; lazily with ``MADV_FREE`` when the last argument says so, else
+at once) or taken back; the bytes it concerned, over all workers."""
 
 
 @dataclasses.dataclass
@@ -52,6 +53,11 @@ class RuntimeLimit:
     released_bytes: int = 0
     changed_at: float | None = None
     """Wall-clock time of the last change of the limit (None: never changed)."""
+    lazy: bool = False
+    """The pages above the limit go back lazily (``MADV_FREE``) once it
+    holds; set by the last change (a shrink after idling)."""
+    released_lazily: bool = False
+    """The pages returned at this limit went back lazily."""
 
     @classmethod
     def of(cls, pool: Any) -> RuntimeLimit | None:
@@ -83,20 +89,21 @@ class RuntimeLimit:
             pool.free_block_queue.remove(block)
             self.withheld.add(block.block_id)
 
-    def change(self, new: int, nbytes: int, mode: str, scheduler: Any) -> int:
+    def change(self, new: int, nbytes: int, mode: str, scheduler: Any, lazy: bool = False) -> int:
         """Move the limit to ``new`` blocks; returns the old one. A failure
         inside vLLM (preempting, the workers' reply) restores the old limit
         and queue before it propagates: nothing half applied. Requests
-        preempted before the failure are recomputed, as any preempted one."""
-        old, old_requested, old_mode = self.limit, self.requested, self.mode
-        self.limit, self.requested, self.mode = new, nbytes, mode
+        preempted before the failure are recomputed, as any preempted one.
+        ``lazy``: the pages above ``new`` go back lazily once it holds."""
+        old, old_requested, old_mode, old_lazy = self.limit, self.requested, self.mode, self.lazy
+        self.limit, self.requested, self.mode, self.lazy = new, nbytes, mode, lazy
         try:
             if new < old:
                 self.shrink(scheduler)
             elif new > old:
                 self.grow()
         except BaseException:
-            self.limit, self.requested, self.mode = old, old_requested, old_mode
+            self.limit, self.requested, self.mode, self.lazy = old, old_requested, old_mode, old_lazy
             self.settle()
             raise
         if new != old:
@@ -125,12 +132,12 @@ class RuntimeLimit:
         if self.released_from is not None and self.released_from < self.limit:
             num_blocks = self.allocation.num_blocks
             try:
-                self.released_bytes = self.pages(self.limit, num_blocks, False)
+                self.released_bytes = self.pages(self.limit, num_blocks, False, False)
             except BaseException:
                 # Workers that committed up to the new limit give it back: on
                 # a GPU nothing stays mapped above the limit that holds.
                 try:
-                    self.pages(self.released_from, num_blocks, True)
+                    self.pages(self.released_from, num_blocks, True, False)
                 except Exception:
                     logger.exception("Returning the chunks mapped by a failed raise of the KV cache limit failed.")
                 raise
@@ -162,8 +169,9 @@ class RuntimeLimit:
         if not self.release_due():
             return
         num_blocks = self.allocation.num_blocks
+        self.released_lazily = self.lazy
         try:
-            self.released_bytes = self.pages(self.limit, num_blocks, True)
+            self.released_bytes = self.pages(self.limit, num_blocks, True, self.lazy)
         except Exception:
             self.released_bytes = 0
             logger.exception(
@@ -173,10 +181,11 @@ class RuntimeLimit:
             )
         self.released_from = self.limit
         logger.info(
-            "KV cache limit holds: %s of blocks %d-%d returned to the OS.",
+            "KV cache limit holds: %s of blocks %d-%d returned to the OS%s.",
             format_size(self.released_bytes),
             self.limit,
             num_blocks - 1,
+            " lazily (MADV_FREE: taken when the OS needs memory)" if self.released_lazily else "",
         )
 
     def usage(self) -> tuple[int, int]:
@@ -292,11 +301,11 @@ def _read_allocation(engine_core: Any) -> Allocation:
 def pages_of(engine_core: Any) -> Pages:
     """The workers' pages of an engine core, through ``worker_pages`` as it
     is when called."""
-    return lambda keep, num_blocks, release: worker_pages(engine_core, keep, num_blocks, release)
+    return lambda keep, num_blocks, release, lazy: worker_pages(engine_core, keep, num_blocks, release, lazy)
 
 
-def worker_pages(engine_core: Any, keep: int, num_blocks: int, release: bool) -> int:
-    results = engine_core.model_executor.collective_rpc("kv_cache_limit_pages", args=(keep, num_blocks, release))
+def worker_pages(engine_core: Any, keep: int, num_blocks: int, release: bool, lazy: bool = False) -> int:
+    results = engine_core.model_executor.collective_rpc("kv_cache_limit_pages", args=(keep, num_blocks, release, lazy))
     return sum(int(r) for r in results)
 
 

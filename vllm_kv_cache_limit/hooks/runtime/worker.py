@@ -15,13 +15,18 @@ from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.hooks.runtime import extensible_kv_cache
 from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional
 from vllm_kv_cache_limit.logic import limit_math
-from vllm_kv_cache_limit.logic.kv_cache import kv_cache_tensors, rss_bytes, worker_kv_cache_bytes
+from vllm_kv_cache_limit.logic.kv_cache import (
+    MADV_DONTNEED,
+    MADV_FREE,
+    kv_cache_tensors,
+    release_advice,
+    rss_bytes,
+    self_held_bytes,
+    worker_kv_cache_bytes,
+)
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
-
-
-MADV_DONTNEED = 4  # Linux
 
 
 def patch(module: Any) -> None:
@@ -45,13 +50,16 @@ def kv_cache_limit_chunk_blocks(self: Any) -> int:
     return 1 if plan is None else plan.blocks_per_chunk
 
 
-def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -> int:
+def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool, lazy: bool = False) -> int:
     """Release (``release=True``) the pages of blocks ``[keep, num_blocks)``
-    of this worker's KV cache with ``madvise(MADV_DONTNEED)``; they read as
-    zeros and come back on the next write. Returns the bytes now released
-    from ``keep`` on (0 where the layout or device does not allow it: CUDA
-    memory is limited logically, not returned). vLLM 0.34's extensible KV
-    cache returns and commits again whole chunks of GPU memory instead
+    of this worker's KV cache with ``madvise(MADV_DONTNEED)``: they read as
+    zeros and come back on the next write. ``lazy``: with
+    ``madvise(MADV_FREE)`` instead: they stay mapped until the kernel needs
+    memory and takes them (no page fault when written before that); where
+    the kernel refuses it, at once. Returns the bytes now released from
+    ``keep`` on (0 where the layout or device does not allow it: CUDA memory
+    is limited logically, not returned). vLLM 0.34's extensible KV cache
+    returns and commits again whole chunks of GPU memory instead, at once
     (``hooks.runtime.extensible_kv_cache``)."""
     kv_cache = getattr(getattr(self, "model_runner", None), "extensible_kv_cache", None)
     if kv_cache is not None:
@@ -70,19 +78,47 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool) -
         spans += limit_math.block_spans(view.data_ptr(), stride, block_bytes, keep, num_blocks)
     ranges = limit_math.page_ranges(spans, mmap.PAGESIZE)
     if release:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        rss = rss_bytes()
-        for start, end in ranges:
-            if libc.madvise(start, end - start, MADV_DONTNEED) != 0:
-                raise OSError(
-                    ctypes.get_errno(), f"madvise over the KV cache failed: {os.strerror(ctypes.get_errno())}"
-                )
-        self._kvcl_rss_fall = rss - rss_bytes()
-        logger.info(
-            "KV cache pages of blocks %d-%d released: RSS fell by %d bytes.", keep, num_blocks - 1, self._kvcl_rss_fall
-        )
+        advice = release_advice(lazy)
+        held = self_held_bytes() if lazy else rss_bytes()
+        if advice == MADV_FREE and not _madvise_all(ranges, MADV_FREE, refused_ok=True):
+            advice = MADV_DONTNEED  # no MADV_FREE here (before Linux 4.5, or not private anonymous memory)
+        if advice == MADV_DONTNEED:
+            _madvise_all(ranges, MADV_DONTNEED)
+        if lazy:
+            # Lazily freed pages stay in RSS, as LazyFree, until the kernel takes them.
+            self._kvcl_rss_fall = held - self_held_bytes()
+        else:
+            self._kvcl_rss_fall = held - rss_bytes()
+        if advice == MADV_FREE:
+            logger.info(
+                "KV cache pages of blocks %d-%d released lazily: RSS less LazyFree fell by %d bytes.",
+                keep,
+                num_blocks - 1,
+                self._kvcl_rss_fall,
+            )
+        else:
+            logger.info(
+                "KV cache pages of blocks %d-%d released: RSS fell by %d bytes.",
+                keep,
+                num_blocks - 1,
+                self._kvcl_rss_fall,
+            )
     return sum(end - start for start, end in ranges)
+
+
+def _madvise_all(ranges: list[tuple[int, int]], advice: int, refused_ok: bool = False) -> bool:
+    """``madvise(advice)`` over each range; False when the kernel refused
+    the advice itself (``EINVAL``) and ``refused_ok``, OSError on any other
+    failure."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    for start, end in ranges:
+        if libc.madvise(start, end - start, advice) != 0:
+            errno = ctypes.get_errno()
+            if refused_ok and errno == 22:  # EINVAL
+                return False
+            raise OSError(errno, f"madvise over the KV cache failed: {os.strerror(errno)}")
+    return True
 
 
 WORKER_BASE = Hook(
