@@ -152,7 +152,6 @@ def _give_plan(runner: Any, kv_cache: Any) -> None:
         return
     buffer = kv_cache.buffer._buffer
     extensible_tensor.give_plan(buffer, plan)
-    kv_cache._kvcl_chunks = plan
     crossing = [(offset, size) for _, offset, size in buffer._handles if plan.cuts(offset, offset + size)]
     if crossing:
         # Warmup's blocks, mapped before the plan: garbage, as vLLM itself says
@@ -168,8 +167,8 @@ def _give_plan(runner: Any, kv_cache: Any) -> None:
 
 
 def plan_of(kv_cache: Any) -> ChunkPlan | None:
-    """The cache's chunk plan, if it was given one."""
-    return getattr(kv_cache, "_kvcl_chunks", None)
+    """The cache's chunk plan, if it was given one (kept on its buffer, which maps by it)."""
+    return extensible_tensor.plan_of(kv_cache.buffer._buffer)
 
 
 def chunks_of(kv_cache: Any) -> ChunkPlan:

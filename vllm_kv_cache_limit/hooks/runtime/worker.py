@@ -42,10 +42,15 @@ def patch(module: Any) -> None:
     optional(WORKER_BASE, apply)
 
 
+def _extensible_cache(worker: Any) -> Any:
+    """The worker's vLLM 0.34 extensible KV cache, if it has one."""
+    return getattr(getattr(worker, "model_runner", None), "extensible_kv_cache", None)
+
+
 def kv_cache_limit_chunk_blocks(self: Any) -> int:
     """Blocks this worker returns or commits together: a chunk of its
     extensible KV cache, else 1."""
-    kv_cache = getattr(getattr(self, "model_runner", None), "extensible_kv_cache", None)
+    kv_cache = _extensible_cache(self)
     plan = None if kv_cache is None else extensible_kv_cache.plan_of(kv_cache)
     return 1 if plan is None else plan.blocks_per_chunk
 
@@ -61,7 +66,7 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool, l
     is limited logically, not returned). vLLM 0.34's extensible KV cache
     returns and commits again whole chunks of GPU memory instead, at once
     (``hooks.runtime.extensible_kv_cache``)."""
-    kv_cache = getattr(getattr(self, "model_runner", None), "extensible_kv_cache", None)
+    kv_cache = _extensible_cache(self)
     if kv_cache is not None:
         moved = extensible_kv_cache.pages(kv_cache, keep, num_blocks, release)
         if release:
