@@ -25,7 +25,8 @@ Around each burst, ``/proc/<pid>/stat`` of the engine core, each worker and
 the API server: user and system CPU seconds and minor page faults (CPU
 seconds and fault counts hold on a shared machine, where wall clock does
 not). Per run and kind of burst: the sums over the cycles, CPU per
-generated token, TTFT (the first streamed chunk). Per round, the ratios to
+generated token, TTFT (the first streamed chunk; with ``--no-stream``,
+each request's latency). Per round, the ratios to
 the static server of the same round; the summary gives their median, min
 and max. Default run: 6 rounds, 2 cycles (about 10 min on the 2-core
 machine of RESULTS.md, start-up included). ``--fresh-servers`` starts the
@@ -33,6 +34,7 @@ three servers again for every round, so that no server process's own state
 (its allocator's, say) weighs on every round of its variant.
 
     python benchmarks/bench_burst.py [--rounds 6] [--cycles 2] [--fresh-servers]
+        [--dtype float32] [--no-stream]
 """
 
 from __future__ import annotations
@@ -139,9 +141,12 @@ def held(pids: list[int]) -> tuple[int, int]:
 # ---------------------------------------------------------------------------
 
 
-def burst(base: str, clients: int, prompt: str, max_tokens: int, first: int) -> tuple[list[float], int, list[str]]:
-    """``clients`` streamed completions sent at once, each a prompt of its
-    own (no prefix shared); their TTFTs, the tokens generated, failures."""
+def burst(
+    base: str, clients: int, prompt: str, max_tokens: int, first: int, stream: bool = True
+) -> tuple[list[float], int, list[str]]:
+    """``clients`` completions sent at once, each a prompt of its own (no
+    prefix shared); their TTFTs (streamed) or latencies (``stream=False``),
+    the tokens generated, failures."""
     ttft: list[float] = []
     tokens = [0]
     failures: list[str] = []
@@ -155,14 +160,26 @@ def burst(base: str, clients: int, prompt: str, max_tokens: int, first: int) -> 
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
         }
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
         gate.wait()
         started = time.monotonic()
         seen: float | None = None
         last = b""
         try:
+            if not stream:
+                reply = requests.post(f"{base}/v1/completions", json=body, timeout=600)
+                if reply.status_code != 200:
+                    raise RuntimeError(f"{reply.status_code}: {reply.text[:300]}")
+                done = int((reply.json().get("usage") or {}).get("completion_tokens") or 0)
+                with lock:
+                    if done:
+                        ttft.append(time.monotonic() - started)
+                        tokens[0] += done
+                    else:
+                        failures.append(f"no tokens in {reply.text[:200]!r}")
+                return
             with requests.post(f"{base}/v1/completions", json=body, timeout=600, stream=True) as reply:
                 if reply.status_code != 200:
                     raise RuntimeError(f"{reply.status_code}: {reply.text[:300]}")
@@ -222,7 +239,7 @@ def run_variant(
             row["rss_at_start"].append(rss)
             row["held_at_start"].append(kept)
             before = stats(pids)
-            ttft, tokens, failures = burst(base, args.clients, prompt, args.max_tokens, counter[0])
+            ttft, tokens, failures = burst(base, args.clients, prompt, args.max_tokens, counter[0], not args.no_stream)
             after = stats(pids)
             counter[0] += args.clients
             for role in PROCESSES:
@@ -358,6 +375,8 @@ def server_args(args: argparse.Namespace, model: str, *extra: str) -> list[str]:
     ]
     if args.gpu_memory_utilization is not None:
         out += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.dtype is not None:
+        out += ["--dtype", args.dtype]
     return out
 
 
@@ -378,6 +397,17 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=512, help="default 512")
     parser.add_argument("--cap", default="48M", help="--kv-cache-max-memory (default 48M)")
     parser.add_argument("--name", default="burst", help="results name (default burst)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="the servers' --dtype, and so the KV cache's (default: vLLM's; the tiny model's float32 weights run "
+        "in bfloat16 on the CPU backend, float32 doubles the KV cache's bytes per token)",
+    )
+    parser.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="plain (not streamed) completions; the TTFT columns then hold each request's whole latency",
+    )
     parser.add_argument(
         "--fresh-servers",
         action="store_true",
