@@ -27,6 +27,8 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.extensible_kv_cache import ExtensibleKVCache
+from vllm.v1.worker.gpu.block_table import BlockTables
+from vllm.v1.worker.gpu.buffer_utils import StagedWriteTensor
 from vllm.v1.worker.worker_base import WorkerBase
 
 from tests.cuda_wheel import test_resize_scheduler as sched
@@ -245,6 +247,47 @@ def test_requests_keep_running_below_the_limit_and_the_release_waits_for_the_dra
     RuntimeLimit.of(pool).release_if_due()  # what the engine core does between steps
     assert driver.mapped_bytes == _chunked(LIMIT)
     assert cache.num_committed_blocks == LIMIT
+
+
+def _block_tables(rows: list[list[int]], width: int = 40) -> BlockTables:
+    """vLLM 0.34's block tables of one KV cache group, as its GPU model runner
+    holds them, their device copies on the host: each row as vLLM's kernels
+    leave it (written from its start, the rest as it was). vLLM's
+    ``BlockTables`` and ``StagedWriteTensor`` built without ``__init__``,
+    which pins host memory for their staging buffers (CUDA calls); only
+    their device tables are set, as host tensors."""
+    tables = BlockTables.__new__(BlockTables)
+    staged = StagedWriteTensor.__new__(StagedWriteTensor)
+    staged.gpu = torch.zeros((len(rows), width), dtype=torch.int32)
+    tables.block_tables = [staged]
+    tables.input_block_tables = [torch.zeros_like(staged.gpu)]
+    for index, row in enumerate(rows):
+        tables.block_tables[0].gpu[index, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        tables.input_block_tables[0][index, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return tables
+
+
+def test_a_shrink_points_stale_block_table_entries_above_the_limit_at_the_null_block(
+    engine: EngineCore, driver: HostVmmDriver
+) -> None:
+    """vLLM leaves a row's ids past its length as a finished request left
+    them; after a release they would name unmapped memory. The plugin points
+    those at or above the limit at the null block, and leaves the rest."""
+    live = list(range(1, 30))  # a request still running, below the limit
+    stale = [*range(30, 60), 300, 511, 250, 199, 200]  # a finished request's ids, left in the row
+    rows = [live + stale[len(live) :], stale, [7, 8, 9]]
+    tables = _block_tables(rows)
+    engine.model_executor.worker.model_runner.block_tables = tables
+    before = [table.clone() for table in (tables.block_tables[0].gpu, tables.input_block_tables[0])]
+    assert any(int((table >= LIMIT).sum()) for table in before)  # the premise: stale ids above the limit
+
+    assert not limit_math.is_error(_set(engine, LIMIT))
+
+    for table, old in zip((tables.block_tables[0].gpu, tables.input_block_tables[0]), before):
+        assert int(table.max()) < LIMIT
+        assert torch.equal(table, torch.where(old >= LIMIT, torch.zeros_like(old), old))
+    assert tables.block_tables[0].gpu[0, : len(live)].tolist() == live
+    assert tables.block_tables[0].gpu[2, :3].tolist() == [7, 8, 9]
 
 
 def test_a_driver_failure_while_growing_leaves_the_limit_and_nothing_half_mapped(

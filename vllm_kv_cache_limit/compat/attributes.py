@@ -176,6 +176,43 @@ _RESIZE_CLIENT = "`set_kv_cache_max_memory`, `kv_cache_limit_status` (and their 
 RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
     *(
         Attribute(
+            (module,),
+            owner,
+            attr,
+            f"`hooks.runtime.extensible_kv_cache.clear_stale_block_ids`: {why}",
+            versions=">=0.34",
+        )
+        for module, owner, attr, why in (
+            (
+                "vllm.v1.worker.gpu.model_runner",
+                "GPUModelRunner",
+                "block_tables",
+                "the runner's block tables, whose stale entries above the limit are cleared",
+            ),
+            (
+                "vllm.v1.worker.gpu.model_runner",
+                "GPUModelRunner",
+                "pcp_manager",
+                "prefill context parallelism's local block tables",
+            ),
+            ("vllm.v1.worker.gpu.block_table", "BlockTables", "block_tables", "each group's per-request table"),
+            (
+                "vllm.v1.worker.gpu.block_table",
+                "BlockTables",
+                "input_block_tables",
+                "each group's table of the forward pass",
+            ),
+            ("vllm.v1.worker.gpu.buffer_utils", "StagedWriteTensor", "gpu", "the device copy of a table"),
+            (
+                "vllm.v1.worker.gpu.pcp_manager",
+                "PCPManager",
+                "_local_block_tables",
+                "the local tables under prefill context parallelism",
+            ),
+        )
+    ),
+    *(
+        Attribute(
             ("vllm.utils.extensible_tensor",),
             "_VirtualBuffer",
             attr,

@@ -203,6 +203,30 @@ def release_above(kv_cache: Any, keep: int) -> int:
     return before - kv_cache.physical_bytes
 
 
+def clear_stale_block_ids(runner: Any, keep: int) -> int:
+    """Point every block-table entry at or above ``keep`` to the null block
+    (0); returns how many were. Why: vLLM's GPU model runner writes a row's
+    block ids from its start and leaves the entries past its length as they
+    were (a finished or preempted request's), and copies only a row's length
+    into the forward pass's tables, so after a release those tables may name
+    blocks whose memory is gone. The attention kernels in vLLM read KV data
+    only within a sequence's length; this keeps any code that reads past it
+    (a precompiled kernel's tile, a prefetch) on mapped memory. The requests
+    left all hold blocks below ``keep`` (the limit drained the others)."""
+    tables = getattr(runner, "block_tables", None)
+    if tables is None:  # not vLLM's GPU model runner: no persistent block tables
+        return 0
+    targets = [table.gpu for table in tables.block_tables] + list(tables.input_block_tables)
+    pcp = getattr(runner, "pcp_manager", None)
+    targets += list(getattr(pcp, "_local_block_tables", None) or ())
+    cleared = 0
+    for table in targets:
+        stale = table >= keep
+        cleared += int(stale.sum())
+        table.masked_fill_(stale, 0)
+    return cleared
+
+
 def commit_up_to(kv_cache: Any, keep: int) -> None:
     """Map blocks ``[0, keep)`` again (zeroed, as vLLM's ``commit``); on a
     driver failure, the chunks this call mapped are released and the cache
