@@ -276,6 +276,8 @@ if __name__ == "__main__":
     result["shrunk"] = kvl.set_kv_cache_max_memory(llm, "16M", mode=spec["mode"], timeout_s=60)
     result["rss_fall"] = llm.collective_rpc(rss_fall)
     result["small"] = texts()
+    # vLLM resets only when every block is free: the withheld ones count as free.
+    result["reset"] = llm.reset_prefix_cache()
     result["grown"] = kvl.set_kv_cache_max_memory(llm, 48 * 2**20)
     result["after"] = texts()
     result["client"] = type(llm.llm_engine.engine_core).__name__
@@ -351,6 +353,7 @@ def test_outputs_unchanged_across_a_resize_with_prefix_caching(
     # Greedy outputs do not change: no request read a released (zeroed) block
     # through the prefix cache, before or after the grow.
     assert result["small"] == result["before"]
+    assert result["reset"] is True, "the prefix cache was not reset under the lowered limit"
     assert result["after"] == result["before"]
     assert result["grown"]["num_blocks_limit"] == result["start"]["num_blocks_allocated"]
     assert result["client"] == ("InprocClient" if variant == "in-process" else "SyncMPClient"), result["client"]

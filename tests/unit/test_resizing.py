@@ -67,6 +67,41 @@ def test_grow_gives_withheld_blocks_back(pool) -> None:
     assert sorted(b.block_id for b in pool.get_new_blocks(6)) == [1, 2, 3, 4, 5, 6]
 
 
+def test_the_prefix_cache_resets_under_a_limit_and_the_blocks_above_stay_withheld(pool) -> None:
+    """vLLM resets the prefix cache only when every block but the null one
+    is free; withheld blocks count as free for it, and stay withheld."""
+    held = pool.get_new_blocks(BLOCKS - 1)
+    pool.free_blocks(held)
+    state = limit_of(pool, 4)
+    state.withhold(pool.blocks[4:])
+    assert state.withheld == {4, 5, 6, 7, 8, 9} and pool.get_num_free_blocks() == 3
+    pool.blocks[2].set_block_hash(b"cached")  # a block in the prefix cache, below the limit
+    assert pool.reset_prefix_cache() is True
+    assert pool.blocks[2].block_hash is None
+    assert state.withheld == {4, 5, 6, 7, 8, 9} and pool.get_num_free_blocks() == 3
+    assert sorted(b.block_id for b in pool.get_new_blocks(3)) == [1, 2, 3]
+    # A block in use still makes vLLM refuse, as without a limit, and nothing moves.
+    assert pool.reset_prefix_cache() is False
+    assert state.withheld == {4, 5, 6, 7, 8, 9} and pool.get_num_free_blocks() == 0
+
+
+def test_a_failing_reset_leaves_the_blocks_above_withheld(pool, monkeypatch) -> None:
+    state = limit_of(pool, 4)
+    state.withhold(pool.blocks[4:])
+    block_class = type(pool.blocks[0])
+    reset_hash = block_class.reset_hash
+
+    def fails_at_block_5(block) -> None:  # a failure inside vLLM's reset, with the blocks above queued
+        if block.block_id == 5:
+            raise ZeroDivisionError("inside vLLM's reset")
+        reset_hash(block)
+
+    monkeypatch.setattr(block_class, "reset_hash", fails_at_block_5)
+    with pytest.raises(ZeroDivisionError):
+        pool.reset_prefix_cache()
+    assert state.withheld == {4, 5, 6, 7, 8, 9} and pool.get_num_free_blocks() == 3
+
+
 class _Blocks:
     def __init__(self, ids: list[int]) -> None:
         self.ids = ids

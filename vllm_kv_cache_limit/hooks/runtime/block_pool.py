@@ -18,8 +18,9 @@ def patch(module: Any) -> None:
     run-time limit must keep blocks above it out of that queue, also when
     requests free them. How: wraps ``BlockPool.free_blocks`` (and
     ``unpin_blocks`` where present) to withhold freed blocks above the limit,
-    and ``get_usage`` to be relative to the limit; without a limit both call
-    vLLM's original unchanged."""
+    and ``get_usage`` to be relative to the limit, and ``reset_prefix_cache``
+    to count withheld blocks as free; without a limit each calls vLLM's
+    original unchanged."""
     pool = module.BlockPool
     # ``unpin_blocks`` where this vLLM has it: it frees blocks as ``free_blocks`` does.
     for name in ("free_blocks", "unpin_blocks"):
@@ -27,6 +28,7 @@ def patch(module: Any) -> None:
             optional(BLOCK_POOL_FREE_BLOCKS, functools.partial(wrap, pool, name, _withhold_after))
     optional(BLOCK_POOL_GET_USAGE, functools.partial(wrap, pool, "get_usage", _usage_under_limit))
     optional(BLOCK_POOL_CACHE_FULL_BLOCKS, functools.partial(wrap, pool, "cache_full_blocks", _uncache_above_limit))
+    optional(BLOCK_POOL_RESET_PREFIX_CACHE, functools.partial(wrap, pool, "reset_prefix_cache", _reset_with_withheld))
 
 
 def _withhold_after(original: Callable) -> Callable:
@@ -63,6 +65,26 @@ def _uncache_above_limit(original: Callable) -> Callable:
         return result
 
     return cache_full_blocks
+
+
+def _reset_with_withheld(original: Callable) -> Callable:
+    """Why: vLLM resets the prefix cache (RLHF weight updates,
+    ``/reset_prefix_cache``) only when every block but the null one is
+    free, and withheld blocks are out of the free queue, so under a lowered
+    limit it always refused ("some blocks (N) are not freed yet"). How:
+    wraps ``BlockPool.reset_prefix_cache``; under a limit the withheld
+    blocks (free, uncached) are queued for vLLM's original and withheld
+    again after it, whatever it returns or raises. Without a limit, vLLM's
+    original alone."""
+
+    def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        limit = RuntimeLimit.of(self)
+        if limit is None or not limit.withheld:
+            return original(self, *args, **kwargs)
+        with limit.withheld_queued():
+            return original(self, *args, **kwargs)
+
+    return reset_prefix_cache
 
 
 def _usage_under_limit(original: Callable) -> Callable:
@@ -105,6 +127,15 @@ BLOCK_POOL_CACHE_FULL_BLOCKS = Hook(
     remove_when=RESIZE_REMOVE,
 )
 
+BLOCK_POOL_RESET_PREFIX_CACHE = Hook(
+    ("vllm.v1.core.block_pool",),
+    "BlockPool.reset_prefix_cache",
+    ("self",),
+    wrapper=_reset_with_withheld,
+    upstream=RESIZE_UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
 BLOCK_POOL_MAYBE_EVICT_CACHED_BLOCK = Hook(
     ("vllm.v1.core.block_pool",), "BlockPool._maybe_evict_cached_block", ("self", "block")
 )
@@ -122,6 +153,7 @@ HOOKS = (
     FREE_BLOCK_QUEUE_REMOVE,
     BLOCK_POOL_GET_NUM_FREE_BLOCKS,
     BLOCK_POOL_CACHE_FULL_BLOCKS,
+    BLOCK_POOL_RESET_PREFIX_CACHE,
 )
 
 TARGETS = {"vllm.v1.core.block_pool": patch}

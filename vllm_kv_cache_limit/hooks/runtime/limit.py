@@ -6,12 +6,13 @@ run-time limit keeps on an engine core, in one attribute.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -148,6 +149,18 @@ class RuntimeLimit:
         back = sorted(i for i in self.withheld if i < self.limit)
         self.pool.free_block_queue.append_n([self.pool.blocks[i] for i in back])
         self.withheld.difference_update(back)
+
+    @contextlib.contextmanager
+    def withheld_queued(self) -> Iterator[None]:
+        """The withheld blocks back in the free queue while the body runs
+        (vLLM code that must see every unused block free and allocates none:
+        ``reset_prefix_cache``), withheld again after it, even if it raised."""
+        self.pool.free_block_queue.append_n([self.pool.blocks[i] for i in sorted(self.withheld)])
+        self.withheld.clear()
+        try:
+            yield
+        finally:
+            self.settle()
 
     def settle(self) -> None:
         """Make the free queue match the limit again (after a failed change):
