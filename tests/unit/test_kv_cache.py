@@ -170,3 +170,63 @@ def test_a_lazy_release_shows_in_this_process_held_bytes() -> None:
     finally:
         del address
         region.close()
+
+
+def test_lazily_released_pages_count_as_available_to_vllms_cpu_check() -> None:
+    """What a co-located instance's start-up sees after an idle one released
+    lazily (docs/autoscale.md): vLLM's CPU backend counts a memory node's
+    free and file pages as available, and pages given back with
+    ``MADV_FREE`` move to the inactive file list while they stay in this
+    process (``LazyFree``). The node's figures trail the pages by up to a
+    second (the kernel folds its per-CPU counts), and other processes move
+    them too: each reading is waited for, with a bound."""
+    import ctypes
+    import mmap
+    import os
+    import time
+
+    from vllm.utils.cpu_resource_utils import get_cgroup_memory_limit, get_memory_node_info
+
+    if not os.path.exists("/sys/devices/system/node/node0/meminfo"):
+        pytest.skip("no per-node meminfo: vLLM reads psutil's figures instead")
+    node = get_memory_node_info(0)
+    limit = get_cgroup_memory_limit()
+    if limit is not None and limit < node.total_memory:
+        pytest.skip("a cgroup memory limit: vLLM reads its usage, which counts lazily freed pages (documented)")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    size = 256 * 2**20
+
+    def available() -> int:
+        return get_memory_node_info(0).available_memory
+
+    def waited(condition) -> bool:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if condition():
+                return True
+            time.sleep(0.05)
+        return False
+
+    seen = []
+    for _ in range(3):  # another process's allocation in the window moves the node's figures: try again
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        try:
+            before = available()
+            region.write(b"x" * size)
+            # The premise: the written pages show as taken.
+            taken = waited(lambda before=before: before - available() >= 0.9 * size)
+            written = available()
+            if libc.madvise(address, size, MADV_FREE) != 0:
+                pytest.skip("no MADV_FREE on this kernel")
+            back = waited(lambda written=written: available() - written >= 0.9 * size)
+            with open("/proc/self/smaps") as smaps:  # still this process's pages, lazily freed
+                lazy = lazy_free_bytes_in(smaps.read(), address, address + size)
+            seen.append({"taken": before - written, "given back": available() - written, "LazyFree": lazy})
+        finally:
+            del address
+            region.close()
+        if taken and back and lazy >= 0.9 * size:
+            return
+    pytest.fail(f"per try, bytes of {size} written then lazily freed: {seen}")
