@@ -203,7 +203,7 @@ def release_above(kv_cache: Any, keep: int) -> int:
     return before - kv_cache.physical_bytes
 
 
-def clear_stale_block_ids(runner: Any, keep: int) -> int:
+def clear_stale_block_ids(runner: Any, kv_cache: Any, keep: int) -> int:
     """Point every block-table entry at or above ``keep`` to the null block
     (0); returns how many were. Why: vLLM's GPU model runner writes a row's
     block ids from its start and leaves the entries past its length as they
@@ -212,10 +212,12 @@ def clear_stale_block_ids(runner: Any, keep: int) -> int:
     blocks whose memory is gone. The attention kernels in vLLM read KV data
     only within a sequence's length; this keeps any code that reads past it
     (a precompiled kernel's tile, a prefetch) on mapped memory. The requests
-    left all hold blocks below ``keep`` (the limit drained the others)."""
+    left all hold blocks below ``keep`` (the limit drained the others); the
+    device's work in flight, on any stream, ends first."""
     tables = getattr(runner, "block_tables", None)
     if tables is None:  # not vLLM's GPU model runner: no persistent block tables
         return 0
+    _synchronize(kv_cache)
     targets = [table.gpu for table in tables.block_tables] + list(tables.input_block_tables)
     pcp = getattr(runner, "pcp_manager", None)
     targets += list(getattr(pcp, "_local_block_tables", None) or ())

@@ -70,7 +70,7 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool, l
     if kv_cache is not None:
         moved = extensible_kv_cache.pages(kv_cache, keep, num_blocks, release)
         if release:
-            cleared = extensible_kv_cache.clear_stale_block_ids(self.model_runner, keep)
+            cleared = extensible_kv_cache.clear_stale_block_ids(self.model_runner, kv_cache, keep)
             logger.info(
                 "KV cache chunks of blocks %d-%d released: %d bytes of GPU memory; %d stale block-table "
                 "entries at or above block %d now name the null block.",
