@@ -334,6 +334,27 @@ def test_sleep_and_wake_under_a_limit_recommit_up_to_the_limit(engine: EngineCor
     assert driver.mapped_bytes == cache.physical_bytes_for(300)
 
 
+def test_a_limit_changed_during_a_weight_update_loan_is_committed_at_its_end(
+    engine: EngineCore, driver: HostVmmDriver, fake_gpu: FakeGPU
+) -> None:
+    """vLLM 0.34 lends the whole cache's memory to a layerwise weight update
+    when the device is short (``kv_cache_lent_for_weight_update``) and
+    recommits it after; a limit changed meanwhile is what comes back."""
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    cache = _cache(engine)
+    model = torch.nn.Linear(1024, 1024)  # a 4 MiB layer: the update needs about 12 MiB free
+    record_metadata_for_reloading(model)
+    fake_gpu.free = 0  # the device is short: vLLM lends the cache
+    for limit in (LIMIT, 300):  # lowered during one loan, raised during the next
+        with vllm_extensible.kv_cache_lent_for_weight_update(cache, model, reclaimable=True, fail_if_short=True):
+            assert driver.mapped_bytes == 0  # the premise: the whole cache is lent
+            assert not limit_math.is_error(_set(engine, limit))
+            assert driver.mapped_bytes == 0  # nothing committed during the loan
+        assert cache.num_committed_blocks == limit
+        assert driver.mapped_bytes == cache.physical_bytes_for(limit) < NUM_BLOCKS * BYTES_PER_BLOCK
+
+
 def test_two_caches_on_one_device_trade_memory(
     fake_gpu: FakeGPU, tiny_model: str, driver: HostVmmDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
