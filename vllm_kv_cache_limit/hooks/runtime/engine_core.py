@@ -434,6 +434,10 @@ KV_CACHE_SPEC_MAX_MEMORY_USAGE_BYTES = Hook(
     ("vllm.v1.kv_cache_interface",), "KVCacheSpec.max_memory_usage_bytes", ("self", "vllm_config")
 )
 
+# Called, not wrapped: the status's running and waiting requests (``_request_counts``;
+# None where it fails).
+SCHEDULER_GET_REQUEST_COUNTS = Hook(("vllm.v1.core.sched.scheduler",), "Scheduler.get_request_counts", ("self",))
+
 HOOKS = (
     ENGINE_CORE,
     ENGINE_CORE_STEP,
@@ -442,6 +446,7 @@ HOOKS = (
     ENGINE_CORE_PROC_HANDLE_CLIENT_REQUEST,
     ENGINE_CORE_SHUTDOWN,
     KV_CACHE_SPEC_MAX_MEMORY_USAGE_BYTES,
+    SCHEDULER_GET_REQUEST_COUNTS,
 )
 
 TARGETS = {"vllm.v1.engine.core": patch}
