@@ -195,6 +195,19 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
                 "pcp_manager",
                 "prefill context parallelism's local block tables",
             ),
+            (
+                "vllm.v1.worker.gpu.model_runner",
+                "GPUModelRunner",
+                "extensible_kv_cache",
+                "the worker's extensible KV cache (none: the worker returns no GPU memory)",
+            ),
+            (
+                "vllm.v1.worker.gpu.model_runner",
+                "GPUModelRunner",
+                "cache_config",
+                "the cap the chunk plan is given under",
+            ),
+            ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "vllm_config", "the features that refuse a plan"),
             ("vllm.v1.worker.gpu.block_table", "BlockTables", "block_tables", "each group's per-request table"),
             (
                 "vllm.v1.worker.gpu.block_table",
@@ -237,6 +250,8 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         )
         for attr, why in (
             ("_buffer", "the virtual buffer a chunk plan is given to and released from"),
+            ("granularity", "the driver's granularity, which the chunk plan rounds to whole blocks"),
+            ("device", "the device waited for before chunks are unmapped"),
             ("_committed", "each segment's committed prefix, lowered to the limit after a release"),
         )
     ),

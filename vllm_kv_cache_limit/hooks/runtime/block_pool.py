@@ -23,9 +23,9 @@ def patch(module: Any) -> None:
     original unchanged."""
     pool = module.BlockPool
     # ``unpin_blocks`` where this vLLM has it: it frees blocks as ``free_blocks`` does.
-    for name in ("free_blocks", "unpin_blocks"):
-        if hasattr(pool, name):
-            optional(BLOCK_POOL_FREE_BLOCKS, functools.partial(wrap, pool, name, _withhold_after))
+    optional(BLOCK_POOL_FREE_BLOCKS, functools.partial(wrap, pool, "free_blocks", _withhold_after))
+    if hasattr(pool, "unpin_blocks"):  # vLLM 0.30 on (BLOCK_POOL_UNPIN_BLOCKS)
+        optional(BLOCK_POOL_UNPIN_BLOCKS, functools.partial(wrap, pool, "unpin_blocks", _withhold_after))
     optional(BLOCK_POOL_GET_USAGE, functools.partial(wrap, pool, "get_usage", _usage_under_limit))
     optional(BLOCK_POOL_CACHE_FULL_BLOCKS, functools.partial(wrap, pool, "cache_full_blocks", _uncache_above_limit))
     optional(BLOCK_POOL_RESET_PREFIX_CACHE, functools.partial(wrap, pool, "reset_prefix_cache", _reset_with_withheld))
@@ -109,6 +109,16 @@ BLOCK_POOL_FREE_BLOCKS = Hook(
     remove_when=RESIZE_REMOVE,
 )
 
+BLOCK_POOL_UNPIN_BLOCKS = Hook(
+    ("vllm.v1.core.block_pool",),
+    "BlockPool.unpin_blocks",
+    ("self", "blocks", "on_reuse"),
+    versions=">=0.30",
+    wrapper=_withhold_after,
+    upstream=RESIZE_UPSTREAM,
+    remove_when=RESIZE_REMOVE,
+)
+
 BLOCK_POOL_GET_USAGE = Hook(
     ("vllm.v1.core.block_pool",),
     "BlockPool.get_usage",
@@ -148,6 +158,7 @@ BLOCK_POOL_GET_NUM_FREE_BLOCKS = Hook(("vllm.v1.core.block_pool",), "BlockPool.g
 
 HOOKS = (
     BLOCK_POOL_FREE_BLOCKS,
+    BLOCK_POOL_UNPIN_BLOCKS,
     BLOCK_POOL_GET_USAGE,
     BLOCK_POOL_MAYBE_EVICT_CACHED_BLOCK,
     FREE_BLOCK_QUEUE_REMOVE,

@@ -87,7 +87,10 @@ VIRTUAL_BUFFER_ENSURE_COMMITTED_RANGE = Hook(
     versions=">=0.34",
 )
 
-HOOKS = (MAP_CHUNK_AT, VIRTUAL_BUFFER_ENSURE_COMMITTED_RANGE)
+VMM_DRIVER_UNMAP = Hook(("vllm.utils.vmm_driver",), "VmmDriver.unmap", ("self", "ptr", "size"), versions=">=0.34")
+VMM_DRIVER_RELEASE = Hook(("vllm.utils.vmm_driver",), "VmmDriver.release", ("self", "handle"), versions=">=0.34")
+
+HOOKS = (MAP_CHUNK_AT, VIRTUAL_BUFFER_ENSURE_COMMITTED_RANGE, VMM_DRIVER_UNMAP, VMM_DRIVER_RELEASE)
 
 TARGETS = {"vllm.utils.extensible_tensor": patch}
 """vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""

@@ -335,8 +335,15 @@ KV_CACHE_MANAGER_GET_BLOCKS = Hook(
 
 KV_CACHE_BLOCKS_GET_BLOCK_IDS = Hook(("vllm.v1.core.kv_cache_manager",), "KVCacheBlocks.get_block_ids", ("self",))
 
+# Called, not wrapped: the workers' pages, chunk size and allocation (the engine
+# core's executor; every release and grow, and an autoscaled start-up).
+EXECUTOR_COLLECTIVE_RPC = Hook(
+    ("vllm.v1.executor.abstract",), "Executor.collective_rpc", ("self", "method", "timeout", "args", "kwargs")
+)
+
 HOOKS = (
     FREE_BLOCK_QUEUE_APPEND_N,
+    EXECUTOR_COLLECTIVE_RPC,
     SCHEDULER_PREEMPT_REQUEST,
     KV_CACHE_MANAGER_GET_BLOCKS,
     KV_CACHE_BLOCKS_GET_BLOCK_IDS,
