@@ -13,6 +13,71 @@ _KV_CACHE_INTERFACE = ("vllm.v1.kv_cache_interface",)
 _CPU_RESOURCES = ("vllm.utils.cpu_resource_utils",)
 
 ATTRIBUTES: tuple[Attribute, ...] = (
+    *(
+        Attribute((module,), owner, attr, why)
+        for module, owner, attr, why in (
+            (
+                "vllm.v1.worker.worker_base",
+                "WorkerBase",
+                "vllm_config",
+                "`worker_gate.record_worker_cap`: the worker's config, where its cap decision is kept",
+            ),
+            (
+                "vllm.v1.worker.worker_base",
+                "WorkerBase",
+                "parallel_config",
+                "`devices.cpu_free_memory`: the worker's ranks, for its memory node",
+            ),
+            (
+                "vllm.config.vllm",
+                "VllmConfig",
+                "compilation_config",
+                "`worker_gate.record_worker_cap`: the worker's cap decision is kept on it",
+            ),
+            (
+                "vllm.config.cache",
+                "CacheConfig",
+                "num_gpu_blocks",
+                "`_report_final_size`: the blocks vLLM settled on, kept at the cap's reservation (set by vLLM, not a flag)",
+            ),
+            (
+                "vllm.config.parallel",
+                "ParallelConfig",
+                "local_world_size",
+                "`devices._local_gpu_ids`: the workers on this node",
+            ),
+            (
+                "vllm.config.parallel",
+                "ParallelConfig",
+                "nnodes_within_dp",
+                "`devices._dp_device_rank`: the nodes of a data-parallel rank",
+            ),
+            (
+                "vllm.config.parallel",
+                "ParallelConfig",
+                "data_parallel_index",
+                "`devices._dp_device_rank`: this data-parallel rank",
+            ),
+            (
+                "vllm.config.parallel",
+                "ParallelConfig",
+                "assigned_physical_gpu_ids",
+                "`devices._local_gpu_ids`, `devices.cpu_memory_node`: the devices a rank was given",
+            ),
+            (
+                "vllm.platforms.interface",
+                "Platform",
+                "device_type",
+                "`devices.device_total_memory`, `devices.instance_devices`: a device's name",
+            ),
+            (
+                "vllm.platforms.interface",
+                "Platform",
+                "device_control_env_var",
+                "`devices._local_gpu_ids`: the variable naming the visible devices",
+            ),
+        )
+    ),
     Attribute(
         ("argparse",),
         "ArgumentParser",

@@ -282,7 +282,20 @@ GET_PHYSICAL_GPU_IDS_FOR_LOCAL_DP_RANK = Hook(
     ("device_control_env_var", "local_dp_rank", "world_size", "local_world_size", "user_assigned_gpu_ids"),
 )
 
-HOOKS = (GET_MEMORY_NODE_INFO, GET_ALLOWED_CPU_LIST, GET_VISIBLE_MEMORY_NODE, GET_PHYSICAL_GPU_IDS_FOR_LOCAL_DP_RANK)
+# Called, not wrapped: which device a worker's cap is for, and its size.
+PLATFORM_IS_CPU = Hook(("vllm.platforms.interface",), "Platform.is_cpu", ("self",))
+# A classmethod: its first parameter reads as ``cls`` in vLLM's source and not
+# on the class, so only its presence is checked.
+PLATFORM_GET_DEVICE_TOTAL_MEMORY = Hook(("vllm.platforms.interface",), "Platform.get_device_total_memory")
+
+HOOKS = (
+    GET_MEMORY_NODE_INFO,
+    GET_ALLOWED_CPU_LIST,
+    GET_VISIBLE_MEMORY_NODE,
+    GET_PHYSICAL_GPU_IDS_FOR_LOCAL_DP_RANK,
+    PLATFORM_IS_CPU,
+    PLATFORM_GET_DEVICE_TOTAL_MEMORY,
+)
 """Called, not wrapped."""
 
 TARGETS: dict[str, Callable[[Any], None]] = {}

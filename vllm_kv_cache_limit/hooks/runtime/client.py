@@ -211,7 +211,18 @@ ASYNC_MP_CLIENT_CALL_UTILITY_ASYNC = Hook(
     ("vllm.v1.engine.core_client",), "AsyncMPClient._call_utility_async", ("self", "method")
 )
 
-HOOKS = (INPROC_CLIENT, ASYNC_MP_CLIENT_CALL_UTILITY_ASYNC)
+# Called, not wrapped: the plugin's utility methods on the engine cores.
+SYNC_MP_CLIENT_CALL_UTILITY = Hook(("vllm.v1.engine.core_client",), "SyncMPClient.call_utility", ("self", "method"))
+ASYNC_MP_CLIENT_PUBLIC_CALL_UTILITY_ASYNC = Hook(
+    ("vllm.v1.engine.core_client",), "AsyncMPClient.call_utility_async", ("self", "method")
+)
+
+HOOKS = (
+    INPROC_CLIENT,
+    ASYNC_MP_CLIENT_CALL_UTILITY_ASYNC,
+    SYNC_MP_CLIENT_CALL_UTILITY,
+    ASYNC_MP_CLIENT_PUBLIC_CALL_UTILITY_ASYNC,
+)
 
 TARGETS: dict[str, Callable[[Any], None]] = {"vllm.v1.engine.core_client": patch}
 """vLLM module -> the function here that patches it once the module has loaded (``_bootstrap``)."""
