@@ -179,7 +179,9 @@ def test_lazily_released_pages_count_as_available_to_vllms_cpu_check() -> None:
     ``MADV_FREE`` move to the inactive file list while they stay in this
     process (``LazyFree``). The node's figures trail the pages by up to a
     second (the kernel folds its per-CPU counts), and other processes move
-    them too: each reading is waited for, with a bound."""
+    them too: each reading is waited for, with a bound. Memory is read as
+    used (total less available): these machines add memory to the node as
+    it is used, which raises both."""
     import ctypes
     import mmap
     import os
@@ -197,8 +199,9 @@ def test_lazily_released_pages_count_as_available_to_vllms_cpu_check() -> None:
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     size = 256 * 2**20
 
-    def available() -> int:
-        return get_memory_node_info(0).available_memory
+    def used() -> int:
+        node = get_memory_node_info(0)
+        return node.total_memory - node.available_memory
 
     def waited(condition) -> bool:
         deadline = time.monotonic() + 5
@@ -213,17 +216,17 @@ def test_lazily_released_pages_count_as_available_to_vllms_cpu_check() -> None:
         region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         address = ctypes.addressof(ctypes.c_char.from_buffer(region))
         try:
-            before = available()
+            before = used()
             region.write(b"x" * size)
             # The premise: the written pages show as taken.
-            taken = waited(lambda before=before: before - available() >= 0.9 * size)
-            written = available()
+            taken = waited(lambda before=before: used() - before >= 0.9 * size)
+            written = used()
             if libc.madvise(address, size, MADV_FREE) != 0:
                 pytest.skip("no MADV_FREE on this kernel")
-            back = waited(lambda written=written: available() - written >= 0.9 * size)
+            back = waited(lambda written=written: written - used() >= 0.9 * size)
             with open("/proc/self/smaps") as smaps:  # still this process's pages, lazily freed
                 lazy = lazy_free_bytes_in(smaps.read(), address, address + size)
-            seen.append({"taken": before - written, "given back": available() - written, "LazyFree": lazy})
+            seen.append({"taken": written - before, "given back": written - used(), "LazyFree": lazy})
         finally:
             del address
             region.close()
