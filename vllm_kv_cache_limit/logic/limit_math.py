@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_kv_cache_limit.logic.errors import KVCacheResizeError
-from vllm_kv_cache_limit.logic.sizes import format_size, parse_size
+from vllm_kv_cache_limit.logic.sizes import format_size, parse_size, suggest_size
 
 MODES = ("drain", "preempt")
 """``drain``: blocks above a lowered limit are withheld as the requests that
@@ -95,22 +95,23 @@ def limit_for(nbytes: int, allocation: Allocation) -> int:
     """The block limit for ``nbytes`` per worker, refusing what the start-up
     allocation cannot give or what cannot hold one request of
     ``max_model_len``."""
+    limit = nbytes // allocation.bytes_per_block
+    least = allocation.blocks_per_request + NULL_BLOCKS
+    least_bytes = least * allocation.bytes_per_block
     if nbytes > allocation.nbytes:
         raise KVCacheResizeError(
             f"Cannot raise the KV cache limit to {format_size(nbytes)} ({nbytes} bytes): the engine allocated "
             f"{format_size(allocation.nbytes)} ({allocation.nbytes} bytes) at start-up, the most a run-time "
-            f"limit can reach. Choose a size of at most {format_size(allocation.nbytes)}, or restart the "
+            f"limit can reach. Choose a size of at most "
+            f"{suggest_size(least_bytes, allocation.nbytes, prefer='most')}, or restart the "
             "engine with a larger --kv-cache-max-memory."
         )
-    limit = nbytes // allocation.bytes_per_block
-    least = allocation.blocks_per_request + NULL_BLOCKS
     if limit < least:
-        least_bytes = least * allocation.bytes_per_block
         raise KVCacheResizeError(
             f"Cannot lower the KV cache limit to {format_size(nbytes)} ({nbytes} bytes): that is {limit} blocks "
             f"of {allocation.bytes_per_block} bytes, and one request of max_model_len {allocation.max_model_len} "
             f"needs {allocation.blocks_per_request} blocks (plus vLLM's null block). Choose a size of at least "
-            f"{format_size(least_bytes)} ({least_bytes} bytes)."
+            f"{suggest_size(least_bytes, allocation.nbytes)} ({least_bytes} bytes)."
         )
     return limit
 

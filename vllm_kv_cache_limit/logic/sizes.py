@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from decimal import ROUND_FLOOR, Decimal, InvalidOperation
 
-__all__ = ["MAX_SIZE_BYTES", "parse_count", "parse_size", "format_size", "format_gib"]
+__all__ = ["MAX_SIZE_BYTES", "parse_count", "parse_size", "format_size", "format_gib", "suggest_size"]
 
 MAX_SIZE_BYTES = 2**63
 """Largest size accepted, in bytes (sizes are carried as signed 64-bit)."""
@@ -155,6 +155,23 @@ def format_size(nbytes: int, rounding: str = "down") -> str:
             text = f"{whole}.{frac:02d}".rstrip("0").rstrip(".")
             return f"{text}{unit}"
     return f"{nbytes}B"
+
+
+def suggest_size(least: int, most: int | None = None, prefer: str = "least") -> str:
+    """A size to suggest in an error, within ``[least, most]``: tidy
+    (``format_size``) where such a one reads back (``parse_size``) within
+    the bounds, else the exact bytes. ``prefer="least"`` suggests the
+    smallest such size, ``"most"`` the largest. A suggestion must be a value
+    the same call accepts: "at least 1.12MiB" for 1179648 bytes would not be
+    (1.12MiB is 1174405 bytes)."""
+    if most is None:
+        most = MAX_SIZE_BYTES
+    if not 1 <= least <= most:
+        raise ValueError(f"no size lies within [{least}, {most}]")
+    tidy = format_size(least, "up") if prefer == "least" else format_size(most, "down")
+    if least <= parse_size(tidy) <= most:
+        return tidy
+    return str(least if prefer == "least" else most)
 
 
 def format_gib(nbytes: int) -> str:

@@ -27,7 +27,7 @@ from vllm_kv_cache_limit.logic.autoscale_policy import (
     shrink_after_s,
 )
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError, KVCacheResizeError
-from vllm_kv_cache_limit.logic.sizes import format_size
+from vllm_kv_cache_limit.logic.sizes import format_size, suggest_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -181,7 +181,7 @@ def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
             raise KVCacheResizeError(
                 f"Cannot set the KV cache limit to {format_size(int(nbytes))} ({nbytes} bytes) while autoscaling: "
                 f"it is below the floor, --kv-cache-min-memory {format_size(floor)} ({floor} bytes). Choose a "
-                f"size of at least {format_size(floor)}."
+                f"size of at least {suggest_size(floor, scaler.allocation.nbytes)}."
             )
     except KVCacheResizeError as exc:
         return {"error": str(exc)}

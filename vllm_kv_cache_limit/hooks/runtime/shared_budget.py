@@ -15,7 +15,7 @@ from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler, others_in
 from vllm_kv_cache_limit.logic import autoscale_policy, startup_lock
 from vllm_kv_cache_limit.logic.budget_ledger import Ledger
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
-from vllm_kv_cache_limit.logic.sizes import format_size
+from vllm_kv_cache_limit.logic.sizes import format_size, suggest_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -97,7 +97,7 @@ def _check_others(
         raise KVCacheMaxMemoryError(
             f"--kv-cache-shared-budget {format_size(total)} ({total} bytes) is below the floors of the "
             f"instances on {where}: {mine}{theirs}. Give a budget of at "
-            f"least {format_size(least)} ({least} bytes), or lower --kv-cache-min-memory."
+            f"least {suggest_size(least)} ({least} bytes), or lower --kv-cache-min-memory."
         )
 
 
