@@ -42,7 +42,8 @@ class KVCacheLimitConfig:
     of max_model_len.
 
     Units: K M G T are binary and k m g t decimal, as in vLLM's other size
-    arguments; KiB MiB GiB TiB (binary) and KB MB GB TB (decimal) in any case;
+    arguments; KiB MiB GiB TiB (binary) and KB MB GB TB (decimal), the prefix
+    in any case (a lower-case b, bits, is refused);
     a plain number is bytes; decimals are allowed. Examples: `8G` (8 GiB),
     `512MiB`, `1.5GiB`, `16GB` (16 * 10^9 bytes). The environment variable
     `VLLM_KV_CACHE_MAX_MEMORY` supplies the value when the argument is not

@@ -167,3 +167,11 @@ def _valid(value: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def test_cli_refuses_gigabits_naming_the_bytes_spelling() -> None:
+    """``--kv-cache-max-memory 8Gb``: vLLM's size flags take no ``b``, and a
+    lower-case one means bits; refused, naming ``8GB``, which the flag takes."""
+    with pytest.raises(ArgumentError, match=r"bits.*'8GB'"):
+        cli_parser().parse_args([FLAG, "8Gb"])
+    assert cli_parser().parse_args([FLAG, "8GB"]).kv_cache_max_memory == 8 * 10**9

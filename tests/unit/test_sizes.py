@@ -29,7 +29,7 @@ GiB = 2**30
         ("8g", 8_000_000_000),
         ("2t", 2_000_000_000_000),
         ("512MiB", 512 * 2**20),
-        ("512mib", 512 * 2**20),
+        ("512miB", 512 * 2**20),
         ("512MIB", 512 * 2**20),
         ("4KiB", 4096),
         ("1TiB", 2**40),
@@ -39,7 +39,7 @@ GiB = 2**30
         ("2Ki", 2048),
         ("1Ti", 2**40),
         ("16GB", 16 * 10**9),
-        ("16gb", 16 * 10**9),
+        ("16gB", 16 * 10**9),
         ("5KB", 5000),
         ("3MB", 3 * 10**6),
         ("1TB", 10**12),
@@ -84,6 +84,10 @@ def test_valid_sizes(text: str | int, expected: int) -> None:
         "1.",
         "1.5.5G",
         "8b",  # bits are not bytes
+        "8Gb",  # gigabits
+        "16gb",
+        "512mib",  # mebibits
+        "8KIb",
         "8 8G",
         "1,5G",
         "٨G",  # Arabic-Indic digit eight
@@ -162,3 +166,17 @@ def test_valid_counts_read_like_vllm(text: str, expected: int) -> None:
 def test_invalid_counts_quote_input(text: str) -> None:
     with pytest.raises(ValueError, match=re.escape(f"Invalid count {text!r}")):
         parse_count(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "bytes_spelling"), [("8Gb", "8GB"), ("16 gb", "16gB"), ("512mib", "512miB"), ("1b", "1B")]
+)
+def test_a_lower_case_b_is_bits_and_the_error_names_the_bytes_spelling(text: str, bytes_spelling: str) -> None:
+    """vLLM's own size flags take no ``b`` at all; a lower-case ``b`` is the
+    symbol of bits, so ``8Gb`` is refused rather than read as 8 GB, and the
+    error suggests the spelling in bytes, which is accepted."""
+    with pytest.raises(ValueError) as info:
+        parse_size(text)
+    message = str(info.value)
+    assert "bits" in message and f"'{bytes_spelling}'" in message, message
+    assert parse_size(bytes_spelling) > 0

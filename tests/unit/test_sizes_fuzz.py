@@ -27,7 +27,9 @@ def unit_multiplier(unit: str) -> int | None:
 
     K M G T are binary and k m g t decimal (vLLM's convention for one-letter
     suffixes); Ki/KiB.. are binary and KB.. decimal in any letter case; B or
-    nothing is bytes; a lone lower-case b (bits) is refused."""
+    nothing is bytes; a lower-case b (bits) is refused."""
+    if unit.endswith("b"):
+        return None
     if unit in ("", "B"):
         return 1
     if len(unit) == 1 and unit.upper() in PREFIXES:
@@ -92,8 +94,8 @@ def unit_spellings(draw: st.DrawFn) -> str:
             st.just(prefix),  # binary
             st.just(prefix.lower()),  # decimal
             any_case(prefix + "i"),  # binary
-            any_case(prefix + "ib"),  # binary
-            any_case(prefix + "b"),  # decimal
+            any_case(prefix + "i").map(lambda u: u + "B"),  # binary
+            any_case(prefix).map(lambda u: u + "B"),  # decimal
         )
     )
 
@@ -141,15 +143,24 @@ def test_valid_spellings_parse_to_exact_bytes(case: tuple[str, str, str]) -> Non
 
 @given(st.from_regex(r"\A[0-9]{1,4}(\.[0-9]{1,3})?\Z"), st.text(alphabet="kmgtibKMGTIBxXs", max_size=4))
 @example("1", "b")  # bits, not bytes
+@example("8", "Gb")  # gigabits
 @example("1", "kbit")
 @example("1", "KiBB")
 def test_unit_letters_parse_exactly_when_they_spell_a_unit(number: str, unit: str) -> None:
     """Random letter strings after a number: accepted exactly when the oracle
-    knows them as a unit, refused with the unit named otherwise."""
+    knows them as a unit, refused with the unit named otherwise (a unit in
+    bits with the spelling in bytes)."""
     text = number + unit
     if unit_multiplier(unit) is None:
         exc = assert_quoting_value_error(text)
-        assert f"unknown unit {unit!r}" in str(exc)
+        in_bytes = unit[:-1] + "B"
+        if unit.endswith("b") and unit_multiplier(in_bytes) is not None:
+            # Bits: the error names the spelling in bytes, which is accepted.
+            assert f"for bytes write {number + in_bytes!r}" in str(exc)
+            if (in_bytes_expected := expected_bytes(number, in_bytes)) is not None:
+                assert parse_size(number + in_bytes) == in_bytes_expected
+        else:
+            assert f"unknown unit {unit!r}" in str(exc)
     elif (expected := expected_bytes(number, unit)) is None:
         assert_quoting_value_error(text)
     else:

@@ -30,7 +30,8 @@ _ONE_LETTER = {
     "g": 10**9,
     "t": 10**12,
 }
-# Explicit units, matched in any letter case.
+# Explicit units: the prefix in any letter case, the B upper case (a
+# lower-case b is the symbol of bits; vLLM's own size flags take no b at all).
 _EXPLICIT = {
     "": 1,
     "b": 1,
@@ -49,7 +50,7 @@ _EXPLICIT = {
 }
 _UNITS_HELP = (
     "units: K M G T (binary, as in vLLM), k m g t (decimal), "
-    "KiB MiB GiB TiB (binary), KB MB GB TB (decimal), B or none (bytes)"
+    "KiB MiB GiB TiB (binary), KB MB GB TB (decimal), B or none (bytes); a lower-case b (bits) is refused"
 )
 # ASCII digits only: str.isdigit() and \d accept other scripts' digits too.
 _SIZE_RE = re.compile(r"^[ \t]*(?P<number>[0-9]+(?:\.[0-9]+)?|\.[0-9]+)[ \t]*(?P<unit>[A-Za-z]*)[ \t]*$")
@@ -65,7 +66,7 @@ def _invalid(value: object, reason: str) -> ValueError:
 def _multiplier(unit: str) -> int | None:
     if len(unit) == 1 and unit in _ONE_LETTER:
         return _ONE_LETTER[unit]
-    if unit == "b":
+    if unit.endswith("b"):
         # Lower-case 'b' is the usual symbol for bits; refuse it.
         return None
     return _EXPLICIT.get(unit.lower())
@@ -92,7 +93,13 @@ def parse_size(value: str | int) -> int:
             raise _invalid(value, "not a number followed by a unit")
         multiplier = _multiplier(match["unit"])
         if multiplier is None:
-            raise _invalid(value, f"unknown unit {match['unit']!r}")
+            unit = match["unit"]
+            in_bytes = unit[:-1] + "B"
+            if unit.endswith("b") and _multiplier(in_bytes) is not None:
+                raise _invalid(
+                    value, f"a lower-case b means bits, not bytes: for bytes write {match['number'] + in_bytes!r}"
+                )
+            raise _invalid(value, f"unknown unit {unit!r}")
         try:
             exact = Decimal(match["number"]) * multiplier
         except InvalidOperation:  # pragma: no cover - the regex admits none
