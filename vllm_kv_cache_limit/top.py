@@ -5,11 +5,17 @@ each server's ``GET /kv_cache/max_memory``, and shows them grouped by
 device (``logic.kv_top``), refreshed every second; ``--once`` prints one
 screen, ``--json`` one JSON document. No vLLM import: it starts in a
 fraction of a second and runs where vLLM is not installed.
+
+Any local user may write an entry, so the API key goes only to a loopback
+status URL in an entry this user owns (``kv_top.key_refusal``), with no
+proxy and no redirect followed, and the screen shows what entries and
+replies say as plain, printable text (never rich markup).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import sys
@@ -25,6 +31,8 @@ from vllm_kv_cache_limit.logic.startup_lock import LOCK_DIR_ENV, lock_dir
 PROG = "vllm-kv-top"
 NARROW = 80
 """Below this many columns each instance is shown as a small block of its own."""
+REPLY_BYTES = 1 << 20
+"""The most of a status reply read (one is under 2 KiB); a longer one is no status."""
 COLUMNS = ("instance", "cap", "limit", "held", "floor", "in use", "demand", "wait", "changed")
 
 
@@ -71,21 +79,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_status(url: str, api_key: str | None, timeout: float) -> kv_top.Status:
-    """A server's status reply, or why it could not be read."""
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Follow no redirect: the status route has none, and a redirect would
+    carry the key to wherever it points."""
+
+    def redirect_request(self, *args: Any) -> None:
+        return None
+
+
+def _opener() -> urllib.request.OpenerDirector:
+    """An opener that follows no redirect and uses no proxy (the status URL
+    is one this host reaches; a proxy from the environment would see the key)."""
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+
+
+def _body(reply: Any, deadline: float) -> bytes:
+    """The reply's body, at most ``REPLY_BYTES`` and read by ``deadline``: a
+    server that drips or floods cannot hold the screen (``TimeoutError``)."""
+    body = b""
+    while chunk := reply.read1(65536):
+        body += chunk
+        if len(body) > REPLY_BYTES:
+            raise ValueError(f"a reply over {REPLY_BYTES} bytes")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the reply was not read within --timeout")
+    return body
+
+
+def read_status(url: str, api_key: str | None, timeout: float, refusal: str | None = None) -> kv_top.Status:
+    """A server's status reply, or why it could not be read; the key is sent
+    only when ``refusal`` (why it may not be, from ``kv_top.key_refusal``) is None."""
+    problem = kv_top.url_problem(url)
+    if problem is not None:
+        return None, problem
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
-    if api_key:
+    if api_key and refusal is None:
         request.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            body = reply.read()
+        with _opener().open(request, timeout=timeout) as reply:
+            body = _body(reply, time.monotonic() + timeout)
     except urllib.error.HTTPError as exc:
+        if exc.code == 401 and api_key and refusal is not None:
+            return None, f"HTTP 401: {refusal}"
         if exc.code == 401:
             return None, "HTTP 401: give the server's --api-key with --api-key or VLLM_API_KEY"
+        if 300 <= exc.code < 400:
+            return None, f"HTTP {exc.code} {exc.reason}: a redirect (to {exc.headers.get('Location')!r}), not followed"
         return None, f"HTTP {exc.code} {exc.reason}"
     except urllib.error.URLError as exc:
         return None, f"not answering: {exc.reason}"
-    except (OSError, ValueError) as exc:  # a timeout, a reset connection, a malformed URL
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # a timeout, a reset, a malformed URL or reply
         return None, f"not answering: {exc}"
     try:
         value = json.loads(body)
@@ -96,8 +139,11 @@ def read_status(url: str, api_key: str | None, timeout: float) -> kv_top.Status:
     return value, None
 
 
-def gather(folder: str, api_key: str | None, timeout: float) -> dict[str, Any]:
-    """The view's document: the entries, and each server's status read at once."""
+def gather(folder: str, api_key: str | None, timeout: float, uid: int | None = None) -> dict[str, Any]:
+    """The view's document: the entries, and each server's status read at
+    once; the key goes only to the loopback URLs of entries that ``uid``
+    (this process's by default) owns."""
+    uid = os.getuid() if uid is None else uid
     try:
         entries = announce.read(folder)
     except announce.FolderMissing:
@@ -110,33 +156,42 @@ def gather(folder: str, api_key: str | None, timeout: float) -> dict[str, Any]:
             f"the lock folder {folder!r} cannot be read ({exc.strerror or exc}). Give a folder you may read: "
             f"--lock-dir PATH (the servers' {LOCK_DIR_ENV})."
         ) from None
-    urls = sorted({e.record["status_url"] for e in entries if e.record and e.record["status_url"]})
-    replies: dict[str, kv_top.Status] = {}
-    if urls:
-        with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
-            for url, reply in zip(urls, pool.map(lambda u: read_status(u, api_key, timeout), urls)):
-                replies[url] = reply
-    statuses = {
-        e.name: replies.get(e.record["status_url"] or "", (None, None)) for e in entries if e.record is not None
+    # One request per URL and refusal: the key goes with it only for the entries it may.
+    asks = {
+        e.name: (e.record["status_url"], kv_top.key_refusal(e.record["status_url"], e.owner, uid))
+        for e in entries
+        if e.record is not None and e.record["status_url"]
     }
+    unique = sorted(set(asks.values()), key=lambda ask: (ask[0], ask[1] or ""))
+    replies: dict[tuple[str, str | None], kv_top.Status] = {}
+    if unique:
+        with ThreadPoolExecutor(max_workers=min(16, len(unique))) as pool:
+            for ask, reply in zip(unique, pool.map(lambda a: read_status(a[0], api_key, timeout, a[1]), unique)):
+                replies[ask] = reply
+    statuses = {name: replies[ask] for name, ask in asks.items()}
     return kv_top.document(folder, entries, statuses, time.time())
 
 
 def render(doc: dict[str, Any], width: int) -> Any:
-    """The screen for a terminal ``width`` columns wide (a rich renderable)."""
+    """The screen for a terminal ``width`` columns wide (a rich renderable).
+    Every string is a ``Text`` made printable: what an entry or a reply
+    says is never read as markup nor reaches the terminal as a control."""
     from rich import box
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
+    def plain(text: Any, style: str = "") -> Text:
+        return Text(kv_top.printable(text), style)
+
     now = doc["time"]
-    parts: list[Any] = [Text(f"{PROG}  {doc['lock_dir']}  {time.strftime('%H:%M:%S', time.localtime(now))}", "bold")]
+    parts: list[Any] = [plain(f"{PROG}  {doc['lock_dir']}  {time.strftime('%H:%M:%S', time.localtime(now))}", "bold")]
     if not doc["devices"]:
-        parts.append(Text(f"No capped instance is running with the lock folder {doc['lock_dir']}."))
+        parts.append(plain(f"No capped instance is running with the lock folder {doc['lock_dir']}."))
     notes = []
     for group in doc["devices"]:
         parts.append(Text(""))
-        parts.append(Text(f"{group['label']}", "bold cyan"))
+        parts.append(plain(group["label"], "bold cyan"))
         if group["budget"]:
             held = group["held"] or 0
             cells = max(10, min(40, width - 44))
@@ -157,7 +212,7 @@ def render(doc: dict[str, Any], width: int) -> Any:
                 else:
                     table.add_column(column.upper(), justify="right", no_wrap=True)
             for row, shown in zip(group["instances"], rows):
-                table.add_row(*(shown[c] for c in COLUMNS), style=None if row["status"] == "read" else "yellow")
+                table.add_row(*(plain(shown[c]) for c in COLUMNS), style=None if row["status"] == "read" else "yellow")
             parts.append(table)
         else:
             for row, shown in zip(group["instances"], rows):
@@ -165,18 +220,18 @@ def render(doc: dict[str, Any], width: int) -> Any:
                 for _ in range(4):
                     card.add_column()
                 pairs = [(c, shown[c]) for c in COLUMNS[1:]]
-                parts.append(Text(shown["instance"], "bold" if row["status"] == "read" else "bold yellow"))
+                parts.append(plain(shown["instance"], "bold" if row["status"] == "read" else "bold yellow"))
                 for i in range(0, len(pairs), 2):
                     left, right = pairs[i], pairs[i + 1] if i + 1 < len(pairs) else ("", "")
-                    card.add_row(f" {left[0]}", left[1], right[0], right[1])
+                    card.add_row(plain(f" {left[0]}"), plain(left[1]), plain(right[0]), plain(right[1]))
                 parts.append(card)
         notes += [n for row in group["instances"] if (n := kv_top.note(row)) is not None and n not in notes]
     if notes:
         parts.append(Text(""))
-        parts += [Text("* " + n, "yellow") for n in notes]
+        parts += [plain("* " + n, "yellow") for n in notes]
     if doc["problems"]:
         parts.append(Text(""))
-        parts += [Text("! " + p, "red") for p in doc["problems"]]
+        parts += [plain("! " + p, "red") for p in doc["problems"]]
     return Group(*parts)
 
 

@@ -213,11 +213,14 @@ def prune(dir_fd: int) -> None:
 @dataclass
 class Entry:
     """One file of the announcements' folder as a reader found it: the
-    record of a live instance, or a problem with the file (never both)."""
+    record of a live instance, or a problem with the file (never both);
+    ``owner``, the uid owning the file read (``vllm-kv-top`` sends its key
+    only to this user's entries)."""
 
     name: str
     record: dict[str, Any] | None = None
     problem: str | None = None
+    owner: int | None = None
 
 
 class FolderMissing(Exception):
@@ -270,6 +273,6 @@ def _read_one(dir_fd: int, name: str) -> Entry | None:
         except ValueError as exc:
             shown = data[:60].decode("utf-8", "replace")
             return Entry(name, problem=f"is no instance entry ({exc}; starts {shown!r}); remove it")
-        return Entry(name, record=entry) if alive(fd) else None
+        return Entry(name, record=entry, owner=os.fstat(fd).st_uid) if alive(fd) else None
     finally:
         os.close(fd)
