@@ -84,14 +84,60 @@ def open_folder(name: str, shown: str, what: str, advice: str, dir_fd: int | Non
 
 def open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int | None:
     """Open ``name`` in the folder ``dir_fd`` without following a link (nor
-    blocking on a FIFO); None when it is not a regular file (or is gone)."""
+    blocking on a FIFO); None when it is not a regular file (or is gone).
+
+    With ``O_CREAT``, a file this user owns gets ``mode`` whatever the
+    umask: under a umask of 077 it would be created ``0600``, and other
+    users' instances could neither read the entry nor lock the lock file.
+    The one place the modes of the files in shared folders are set."""
     try:
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOENT, errno.ENXIO, errno.EISDIR):
             return None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         return None
+    if flags & os.O_CREAT and info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) != mode:
+        try:
+            os.fchmod(fd, mode)
+        except OSError:
+            os.close(fd)
+            raise
     return fd
+
+
+def lock_holders(fd: int) -> str | None:
+    """Who holds a lock on the file open on ``fd``, as ``/proc/locks`` shows
+    it (the pids and their command lines), for an error that names them;
+    None when it shows nobody this process can see (a holder in another
+    PID namespace shows as pid 0, or not at all). Best effort."""
+    info = os.fstat(fd)
+    where = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    pids: list[int] = []
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+            for line in locks:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] != "->" and fields[5] == where and fields[4].isdigit():
+                    pid = int(fields[4])
+                    if pid > 0 and pid not in pids:
+                        pids.append(pid)
+    except OSError:
+        return None
+    return ", ".join(f"pid {pid} ({_command(pid)})" for pid in pids) or None
+
+
+def _command(pid: int) -> str:
+    """The command line of ``pid``, printable and short (it is another user's text)."""
+    if pid == os.getpid():
+        return "this process"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            raw = cmdline.read(4096)
+    except OSError:
+        return "command line not readable"
+    text = "".join(c if c.isprintable() else " " for c in raw.replace(b"\0", b" ").decode("utf-8", "replace")).strip()
+    return (text[:200] + "...") if len(text) > 200 else (text or "no command line")
