@@ -10,7 +10,8 @@ The vLLM glue is in ``hooks.runtime``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,38 +58,66 @@ class Allocation:
         return self.num_blocks * self.bytes_per_block
 
 
-def parse_mode(mode: object) -> str:
-    """``mode`` checked against :data:`MODES`; the error quotes it."""
-    if mode not in MODES:
-        raise KVCacheResizeError(f"Invalid resize mode {mode!r}: expected one of {', '.join(map(repr, MODES))}.")
+def parse_mode(mode: object, quote: Callable[[object], str] = repr) -> str:
+    """``mode`` checked against :data:`MODES`; the error quotes it (with
+    ``quote``: ``repr`` for Python, ``json.dumps`` for an HTTP body)."""
+    if isinstance(mode, bool) or mode not in MODES:
+        raise KVCacheResizeError(f"Invalid resize mode {quote(mode)}: expected one of {', '.join(map(quote, MODES))}.")
     return str(mode)
 
 
-def parse_timeout(timeout_s: object) -> float:
+def parse_timeout(timeout_s: object, quote: Callable[[object], str] = repr) -> float:
     """A finite timeout in seconds, zero or more; the error quotes it."""
     try:
         value = float(timeout_s)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         value = float("nan")
     if not (0 <= value < float("inf")):
-        raise KVCacheResizeError(f"Invalid timeout_s {timeout_s!r}: expected a number of seconds, 0 or more.")
+        raise KVCacheResizeError(f"Invalid timeout_s {quote(timeout_s)}: expected a number of seconds, 0 or more.")
     return value
 
 
-def parse_target(size: object) -> int:
+def parse_target(size: object, quote: Callable[[object], str] = repr) -> int:
     """A size in bytes from an int or a size string (``parse_size``)."""
+    expected = f"expected a size such as {quote('16M')} or bytes as an int"
     if isinstance(size, bool):
-        raise KVCacheResizeError(f"Invalid KV cache size {size!r}: expected a size such as '16M' or bytes as an int.")
+        raise KVCacheResizeError(f"Invalid KV cache size {quote(size)}: {expected}.")
     if isinstance(size, int):
         if size <= 0:
-            raise KVCacheResizeError(f"Invalid KV cache size {size!r}: it must be positive, e.g. '16M'.")
+            raise KVCacheResizeError(f"Invalid KV cache size {quote(size)}: it must be positive, e.g. {quote('16M')}.")
         return size
     if isinstance(size, str):
         try:
             return parse_size(size)
         except ValueError as exc:
-            raise KVCacheResizeError(str(exc)) from None
-    raise KVCacheResizeError(f"Invalid KV cache size {size!r}: expected a size such as '16M' or bytes as an int.")
+            raise KVCacheResizeError(str(exc).replace(repr(size), quote(size), 1)) from None
+    raise KVCacheResizeError(f"Invalid KV cache size {quote(size)}: {expected}.")
+
+
+BODY_KEYS = ("size", "mode", "timeout_s")
+"""The keys of the body of ``POST /kv_cache/max_memory``."""
+
+
+def parse_body(body: object) -> tuple[int, str, float]:
+    """The size, mode and timeout of a resize request's JSON body, checked
+    whole before the engine is asked: an unknown key (``"mdoe"``) is refused
+    rather than ignored, and errors quote the body as JSON."""
+    quote = json.dumps
+    example = '{"size": "16M", "mode": "drain"}'
+    if not isinstance(body, dict):
+        raise KVCacheResizeError(f"Invalid body {quote(body)}: expected a JSON object such as {example}.")
+    unknown = [key for key in body if key not in BODY_KEYS]
+    if unknown or "size" not in body:
+        what = f"Unknown key {', '.join(map(quote, unknown))} in" if unknown else f"No {quote('size')} in"
+        raise KVCacheResizeError(
+            f"{what} the body {quote(body)}: the keys accepted are {', '.join(map(quote, BODY_KEYS))} "
+            f"({quote('size')} required), for example {example}."
+        )
+    return (
+        parse_target(body["size"], quote),
+        parse_mode(body.get("mode", "drain"), quote),
+        parse_timeout(body.get("timeout_s", 60.0), quote),
+    )
 
 
 def limit_for(nbytes: int, allocation: Allocation) -> int:

@@ -21,6 +21,7 @@ from vllm_kv_cache_limit.hooks.runtime.client import (
     async_set_kv_cache_max_memory,
 )
 from vllm_kv_cache_limit.hooks.wrap import wrap
+from vllm_kv_cache_limit.logic import limit_math
 from vllm_kv_cache_limit.logic.errors import KVCacheResizeError, KVCacheResizeFailed
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
@@ -254,29 +255,26 @@ def _router(args: Any, allow_post: bool = True) -> Any:
             return _error(
                 400, 'Invalid body: expected JSON such as {"size": "16M", "mode": "drain"}.', "BadRequestError"
             )
-        if not isinstance(body, dict) or "size" not in body:
-            return _error(
-                400, f'Invalid body {body!r}: expected {{"size": "16M", "mode": "drain"}}.', "BadRequestError"
-            )
         try:
-            return shown(
-                await async_set_kv_cache_max_memory(
-                    request.app.state.engine_client,
-                    body["size"],
-                    body.get("mode", "drain"),
-                    body.get("timeout_s", 60.0),
-                )
-            )
+            size, mode, timeout_s = limit_math.parse_body(body)
+            return shown(await async_set_kv_cache_max_memory(request.app.state.engine_client, size, mode, timeout_s))
         except KVCacheResizeFailed as exc:
             return _error(500, str(exc), "InternalServerError")
         except KVCacheResizeError as exc:
             return _error(400, str(exc), "BadRequestError")
 
+    async def post_not_served(request: Request) -> Any:
+        # Without the flag the POST route is absent: 404, as vLLM answers
+        # for any route it lacks (not the 405 of a path that has a GET).
+        return _error(404, f"Not Found: POST {ROUTE} is served only with {ENABLE_FLAG}.", "NotFoundError")
+
     # This module uses postponed annotations; FastAPI needs the class itself
-    # to pass the request in.
-    routes = [(get_kv_cache_max_memory, "GET")]
-    if allow_post:  # changes the engine: only with --enable-kv-cache-resize
-        routes.append((set_kv_cache_max_memory_route, "POST"))
+    # to pass the request in. The POST changes the engine: only with
+    # --enable-kv-cache-resize.
+    routes = [
+        (get_kv_cache_max_memory, "GET"),
+        (set_kv_cache_max_memory_route if allow_post else post_not_served, "POST"),
+    ]
     for handler, method in routes:
         handler.__annotations__["request"] = Request
         router.add_api_route(ROUTE, handler, methods=[method])
