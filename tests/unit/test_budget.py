@@ -31,11 +31,16 @@ CHILD = textwrap.dedent(
     from vllm_kv_cache_limit.logic.budget_ledger import Ledger
     ledger = Ledger(sys.argv[1], sys.argv[2], label=sys.argv[3])
     with ledger.transaction() as view:
-        view.write({"holds": 123, "wants": 456, "floor": 7})
+        view.write({"budget": 1000, "holds": 123, "wants": 456, "floor": 7})
     print("ready", flush=True)
     time.sleep(120)
     """
 )
+
+
+def rec(holds: int, wants: int = 0, floor: int = 0) -> dict[str, int]:
+    """An instance's record (the ledger skips any other)."""
+    return {"budget": 1000, "floor": floor, "holds": holds, "wants": wants}
 
 
 def entries(folder: Path, key: str = KEY) -> list[str]:
@@ -108,16 +113,16 @@ def test_two_ledgers_in_one_process_see_each_other(tmp_path: Path, ledgers: list
     b = open_ledger(ledgers, tmp_path, "b")
     with a.transaction() as view:
         assert view.others == []
-        view.write({"holds": 10, "wants": 20, "floor": 1})
+        view.write(rec(10, 20, 1))
     with b.transaction() as view:
-        assert view.others == [{"holds": 10, "wants": 20, "floor": 1, "label": "a"}]
-        view.write({"holds": 30, "wants": 40, "floor": 2})
-    assert others(a) == [{"holds": 30, "wants": 40, "floor": 2, "label": "b"}]
+        assert view.others == [{**rec(10, 20, 1), "label": "a"}]
+        view.write(rec(30, 40, 2))
+    assert others(a) == [{**rec(30, 40, 2), "label": "b"}]
     # A later write replaces the entry (a shorter record leaves nothing of the old one).
     with a.transaction() as view:
-        view.write({"holds": 5})
-    assert others(b) == [{"holds": 5, "label": "a"}]
-    assert a.record == {"holds": 5}
+        view.write(rec(5))
+    assert others(b) == [{**rec(5), "label": "a"}]
+    assert a.record == rec(5)
     assert len(entries(tmp_path)) == 2
 
 
@@ -126,7 +131,7 @@ def test_a_ledger_sees_every_other_but_not_itself(tmp_path: Path, ledgers: list[
     opened = [open_ledger(ledgers, tmp_path, name) for name in names]
     for i, ledger in enumerate(opened):
         with ledger.transaction() as view:
-            view.write({"holds": i})
+            view.write(rec(i))
     for i, ledger in enumerate(opened):
         seen = sorted((o["label"], o["holds"]) for o in others(ledger))
         assert seen == [(n, j) for j, n in enumerate(names) if j != i]
@@ -136,7 +141,7 @@ def test_devices_have_separate_ledgers(tmp_path: Path, ledgers: list[Ledger]) ->
     a = open_ledger(ledgers, tmp_path, "a", key="GPU-aaa")
     b = open_ledger(ledgers, tmp_path, "b", key="GPU-bbb")
     with a.transaction() as view:
-        view.write({"holds": 1})
+        view.write(rec(1))
     assert others(b) == []
     assert (tmp_path / "budget-GPU-aaa").is_dir() and (tmp_path / "budget-GPU-bbb").is_dir()
 
@@ -146,7 +151,7 @@ def test_a_child_entry_is_seen_while_it_lives_and_dropped_once_killed(
 ) -> None:
     me = open_ledger(ledgers, tmp_path, "parent")
     (child_entry,) = entries(tmp_path)  # the parent's entry is created in its first transaction
-    expected = {"holds": 123, "wants": 456, "floor": 7, "label": f"child labelled pid {os.getpid()}"}
+    expected = {**rec(123, 456, 7), "label": f"child labelled pid {os.getpid()}"}
     assert others(me) == [expected]
     assert others(me) == [expected]  # a live entry stays
     assert entries(tmp_path) == sorted([child_entry, me.entry_name])
@@ -162,7 +167,7 @@ def test_a_left_over_unlocked_entry_is_ignored_and_removed(tmp_path: Path, ledge
     me = open_ledger(ledgers, tmp_path, "me")
     stale = tmp_path / folder_name(KEY) / f"0123456789abcdef{ENTRY_SUFFIX}"
     # Written by an instance that died; it names this (live) process.
-    stale.write_text(json.dumps({"holds": 99, "label": f"{socket.gethostname()} pid {os.getpid()}"}))
+    stale.write_text(json.dumps({**rec(99), "label": f"{socket.gethostname()} pid {os.getpid()}"}))
     assert others(me) == []
     assert not stale.exists()
 
@@ -181,7 +186,7 @@ def test_close_removes_the_entry(tmp_path: Path, ledgers: list[Ledger]) -> None:
     a = open_ledger(ledgers, tmp_path, "a")
     b = open_ledger(ledgers, tmp_path, "b")
     with a.transaction() as view:
-        view.write({"holds": 10})
+        view.write(rec(10))
     name = a.entry_name
     assert (tmp_path / folder_name(KEY) / name).exists()
     assert [o["label"] for o in others(b)] == ["a"]
@@ -197,7 +202,7 @@ def test_the_default_label_names_the_host_and_pid(tmp_path: Path, ledgers: list[
     a = open_ledger(ledgers, tmp_path, "")
     b = open_ledger(ledgers, tmp_path, "b")
     with a.transaction() as view:
-        view.write({"holds": 1})
+        view.write(rec(1))
     (record,) = others(b)
     assert record["label"] == a.label
     assert socket.gethostname() in a.label and f"pid {os.getpid()}" in a.label
@@ -266,7 +271,7 @@ def test_a_sticky_or_private_budget_folder_is_accepted(tmp_path: Path, ledgers: 
     sub.chmod(mode)
     ledger = open_ledger(ledgers, tmp_path, "x")
     with ledger.transaction() as view:
-        view.write({"holds": 1})
+        view.write(rec(1))
     assert entries(tmp_path) == [ledger.entry_name]
 
 
@@ -290,7 +295,7 @@ def test_a_planted_symlink_entry_is_not_followed_nor_counted(
     sub = tmp_path / folder_name(KEY)
     # A record that would count if followed: its target is locked, as a live entry's is.
     victim = tmp_path / "victim.entry"
-    victim.write_text(json.dumps({"holds": 10**12, "wants": 10**12, "floor": 0, "label": "planted"}))
+    victim.write_text(json.dumps({**rec(10**12, 10**12), "label": "planted"}))
     (sub / f"x{ENTRY_SUFFIX}").symlink_to(victim)
     with open(victim, "rb") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
@@ -305,10 +310,10 @@ def test_a_planted_fifo_entry_is_ignored_without_blocking(tmp_path: Path, ledger
     me = open_ledger(ledgers, tmp_path, "me")
     other = open_ledger(ledgers, tmp_path, "other")
     with other.transaction() as view:
-        view.write({"holds": 3})
+        view.write(rec(3))
     fifo = tmp_path / folder_name(KEY) / f"y{ENTRY_SUFFIX}"
     os.mkfifo(fifo)
-    assert others(me) == [{"holds": 3, "label": "other"}]
+    assert others(me) == [{**rec(3), "label": "other"}]
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
@@ -321,7 +326,7 @@ def test_a_planted_folder_entry_is_ignored(tmp_path: Path, ledgers: list[Ledger]
 def test_other_files_in_the_folder_are_not_entries(tmp_path: Path, ledgers: list[Ledger]) -> None:
     me = open_ledger(ledgers, tmp_path, "me")
     note = tmp_path / folder_name(KEY) / "notes.txt"
-    note.write_text(json.dumps({"holds": 1}))
+    note.write_text(json.dumps(rec(1)))
     assert others(me) == []
     assert note.exists()  # not an entry: not removed either
 

@@ -32,7 +32,7 @@ JOIN = textwrap.dedent(
     try:
         ledger = Ledger(sys.argv[1], sys.argv[2], label=sys.argv[3])
         with ledger.transaction(wait=False) as view:
-            view.write({"holds": int(sys.argv[4]), "wants": int(sys.argv[4]), "floor": 1})
+            view.write({"budget": 10**6, "holds": int(sys.argv[4]), "wants": int(sys.argv[4]), "floor": 1})
             others = [o["label"] for o in view.others]
     except OSError as exc:
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)

@@ -17,6 +17,10 @@ Files are opened relative to the folder without following links
 (``O_NOFOLLOW``); the folder itself must pass the shared folders' rule
 (``shared_folder``): a plain directory, sticky when others may write to it,
 or a group's folder (mode 2770) that restricts the budget to that group.
+Whoever may write to the folder may plant an entry and lock it: every
+record read is checked (:func:`record_problem`), and one that is not an
+instance's entry is skipped, with one warning per entry and ``Ledger``.
+No wait for the ledger's lock is unbounded (``transaction``).
 No vLLM import here.
 """
 
@@ -25,18 +29,33 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kv_cache_limit.logic.shared_folder import LockSetupError, open_folder, open_regular
+from vllm_kv_cache_limit.logic.shared_folder import LockSetupError, lock_holders, open_folder, open_regular
+from vllm_kv_cache_limit.logic.sizes import format_size
 from vllm_kv_cache_limit.logic.startup_lock import LOCK_DIR_ADVICE, holder_label, lock_name, open_lock_folder
+
+logger = logging.getLogger("vllm.plugins.kv_cache_limit")
 
 LEDGER_LOCK = "ledger.lock"
 ENTRY_SUFFIX = ".entry"
 RECORD_BYTES = 4096
+WAIT_S = 30.0
+"""The longest a transaction waits for the ledger's lock unless told
+otherwise: a transaction holds it for milliseconds, so a lock held longer
+is kept by a process that is stopped or is no instance."""
+POLL_S = 0.02
+AMOUNTS = ("budget", "floor", "holds", "wants")
+"""The fields of an entry that are bytes: whole numbers, at least 0."""
+NAMES = ("instance", "label")
+"""The fields of an entry that are text (optional: ``label`` is the ledger's)."""
+MOST_BYTES = 1 << 60
 
 
 def folder_name(key: str) -> str:
@@ -52,17 +71,38 @@ def _write(fd: int, record: dict[str, Any]) -> None:
     os.ftruncate(fd, len(data))
 
 
-def _read(fd: int) -> dict[str, Any] | None:
+def _read(fd: int) -> Any:
+    """The JSON value of an entry; ``ValueError`` saying why there is none."""
+    data = os.pread(fd, RECORD_BYTES, 0)
     try:
-        record = json.loads(os.pread(fd, RECORD_BYTES, 0).decode("utf-8"))
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+        return json.loads(data.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise ValueError(f"not JSON ({exc}; starts {data[:40]!r})") from None
+
+
+def record_problem(record: Any) -> str | None:
+    """Why ``record`` is not an instance's entry, or None when it is: the
+    amounts whole numbers of bytes (not NaN, a string, a bool), at least 0
+    (the budget more), below 1 EiB; the names text."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    for name in AMOUNTS:
+        value = record.get(name)
+        if name not in record:
+            return f"no {name!r} field"
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{name!r} is {value!r}, not a whole number of bytes"
+        if not (1 if name == "budget" else 0) <= value < MOST_BYTES:
+            return f"{name!r} is {value}, out of range"
+    for name in NAMES:
+        if name in record and not isinstance(record[name], str):
+            return f"{name!r} is {record[name]!r}, not text"
+    return None
 
 
 class LedgerBusy(Exception):
-    """Another process holds the ledger's lock, and the transaction was not
-    to wait for it (a decision in the engine core's step loop)."""
+    """Another process holds the ledger's lock past the time the transaction
+    was to wait for it (none: a decision in the engine core's step loop)."""
 
 
 @dataclass
@@ -82,9 +122,13 @@ class View:
 class Ledger:
     """One instance's place in a device's ledger (see the module docstring)."""
 
-    def __init__(self, folder: str, key: str, label: str | None = None) -> None:
+    def __init__(self, folder: str, key: str, label: str | None = None, budget: int | None = None) -> None:
         self.key = key
         self.label = label or holder_label()
+        self.budget = budget
+        """This instance's budget: a live entry that gave another is reported (once)."""
+        self.reported: set[str] = set()
+        """The entries already warned about (by name), so each is reported once."""
         self.path = os.path.join(folder, folder_name(key))
         top = open_lock_folder(folder)
         try:
@@ -99,25 +143,20 @@ class Ledger:
         if lock_fd is None:
             os.close(self.dir_fd)
             raise LockSetupError(f"the ledger lock {os.path.join(self.path, LEDGER_LOCK)} is not a regular file")
-        self.lock_fd = lock_fd
-        with contextlib.suppress(OSError):
-            if os.fstat(self.lock_fd).st_uid == os.geteuid():
-                os.fchmod(self.lock_fd, 0o666)  # other users' instances lock it too
+        self.lock_fd = lock_fd  # 0666 (open_regular): other users' instances lock it too
         self.entry_name = ""
         self.entry_fd = -1
         self.record: dict[str, Any] = {}
 
     @contextlib.contextmanager
-    def transaction(self, wait: bool = True) -> Iterator[View]:
-        """Hold the ledger's lock and see the other live entries. With
-        ``wait=False``, raise :class:`LedgerBusy` at once when another
-        process holds the lock: anyone who may open the lock file may hold
-        it (a peer stopped mid-transaction, another user), and the step loop
-        must never wait on it."""
-        try:
-            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            raise LedgerBusy(f"{os.path.join(self.path, LEDGER_LOCK)} is locked by another process") from None
+    def transaction(self, wait: bool | float = True) -> Iterator[View]:
+        """Hold the ledger's lock and see the other live entries. Anyone who
+        may open the lock file may hold it (a peer stopped mid-transaction,
+        another user), so the wait for it is bounded: ``wait`` seconds
+        (``True``: :data:`WAIT_S`), then :class:`LedgerBusy` naming the
+        holder where ``/proc/locks`` shows it. ``wait=False``: at once (the
+        step loop never waits on it)."""
+        self._lock(WAIT_S if wait is True else float(wait))
         try:
             if self.entry_fd < 0:  # join: created under the lock, so no reader sees it unlocked
                 self.entry_name = f"{secrets.token_hex(8)}{ENTRY_SUFFIX}"
@@ -129,6 +168,55 @@ class Ledger:
             yield View(self, self._live_others())
         finally:
             fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+
+    def _lock(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(POLL_S, left))
+        path = os.path.join(self.path, LEDGER_LOCK)
+        if seconds <= 0:
+            raise LedgerBusy(f"{path} is locked by another process")
+        holder = lock_holders(self.lock_fd) or "a process not shown in /proc/locks (another PID namespace)"
+        raise LedgerBusy(f"{path} was locked for {seconds:g} s by {holder}")
+
+    def _report(self, name: str, message: str, *args: Any) -> None:
+        if name not in self.reported:
+            self.reported.add(name)
+            logger.warning(message, os.path.join(self.path, name), *args)
+
+    def _checked(self, name: str, fd: int) -> dict[str, Any] | None:
+        """The record of a live entry, or None (reported once) when it is not an instance's."""
+        try:
+            record = _read(fd)
+            problem = record_problem(record)
+        except (OSError, ValueError) as exc:
+            problem = str(exc)
+        if problem is not None:
+            self._report(
+                name,
+                "The shared KV cache budget's ledger entry %s is not an instance's entry (%s); it is not counted "
+                "while the process that holds it lives (logged once). Remove it, or end that process.",
+                problem,
+            )
+            return None
+        if self.budget is not None and record["budget"] != self.budget:
+            self._report(
+                name,
+                "The shared KV cache budget's ledger entry %s, of %s, gives a budget of %s; this instance's is %s. "
+                "Its holds are counted (logged once); every instance sharing a device must give the same budget.",
+                record.get("label"),
+                format_size(record["budget"]),
+                format_size(self.budget),
+            )
+        return dict(record)
 
     def _live_others(self) -> list[dict[str, Any]]:
         found = []
@@ -142,7 +230,7 @@ class Ledger:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except BlockingIOError:  # its owner holds it: alive
-                    record = _read(fd)
+                    record = self._checked(name, fd)
                     if record is not None:
                         found.append(record)
                     continue

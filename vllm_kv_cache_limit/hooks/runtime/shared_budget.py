@@ -5,15 +5,17 @@ the others' or cannot hold every floor, and leaving at shutdown."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler, others_in
 from vllm_kv_cache_limit.logic import autoscale_policy, startup_lock
-from vllm_kv_cache_limit.logic.budget_ledger import Ledger
+from vllm_kv_cache_limit.logic.budget_ledger import Ledger, LedgerBusy, View
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 from vllm_kv_cache_limit.logic.sizes import format_size, suggest_size
 
@@ -22,12 +24,18 @@ logger = init_logger("vllm.plugins.kv_cache_limit")
 
 JOIN_TIMEOUT_S = 120.0
 """Seconds a starting instance waits for the others to give back its floor."""
+LEDGER_WAIT_S = 30.0
+"""Seconds one transaction of the join waits for the ledgers' locks (within
+``JOIN_TIMEOUT_S``): a peer's transaction holds them for milliseconds."""
 
 
 def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None = None) -> None:
     """Take this instance's place in every device's ledger, refusing a
     budget that differs from the others' or that cannot hold every floor,
-    and wait (bounded) until the others leave this instance its floor."""
+    and wait (bounded) until the others leave this instance its floor. No
+    wait is unbounded: a ledger lock another process keeps fails the join
+    within ``LEDGER_WAIT_S`` (and ``JOIN_TIMEOUT_S``), naming it and its
+    holder, so that the start-up lock this instance holds is released."""
     assert scaler.budget is not None
     folder = startup_lock.lock_dir() if folder is None else folder
     floor = scaler.floor * scaler.unit  # on each device, over this instance's workers there
@@ -35,10 +43,10 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
     scaler.hysteresis.target = scaler.floor
     try:
         for key, label in sorted(set(devices)):
-            scaler.ledgers.append(Ledger(folder, key))
+            scaler.ledgers.append(Ledger(folder, key, budget=scaler.budget))
             scaler.devices.append(label)
         while True:
-            with scaler.transaction() as views:
+            with _transaction(scaler, deadline) as views:
                 scaler.others = others_in(views)
                 _check_others(
                     scaler.budget, floor, scaler.others, devices, scaler.unit >= 2 * scaler.allocation.bytes_per_block
@@ -58,6 +66,14 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
                     "Start it when they are idle, or give a larger budget."
                 )
             time.sleep(0.2)
+    except LedgerBusy as exc:
+        scaler.close()
+        raise KVCacheMaxMemoryError(
+            f"--kv-cache-shared-budget {format_size(scaler.budget)}: this instance could not join the ledger of "
+            f"{', '.join(label for _, label in devices)}: {exc}. A transaction holds that lock for milliseconds, "
+            "so its holder is stopped or is not an instance: resume or end it, or give the instances of the "
+            f"budget a lock folder only they may use ({startup_lock.LOCK_DIR_ENV})."
+        ) from None
     except OSError as exc:  # a planted link, a folder without the sticky bit, another user's folder
         scaler.close()
         raise KVCacheMaxMemoryError(
@@ -69,6 +85,15 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
     except BaseException:
         scaler.close()
         raise
+
+
+@contextlib.contextmanager
+def _transaction(scaler: Autoscaler, deadline: float) -> Iterator[list[View]]:
+    """Every device's ledger under its lock, all of them waited for within
+    ``LEDGER_WAIT_S`` together, and no later than ``deadline``."""
+    until = min(time.monotonic() + LEDGER_WAIT_S, max(deadline, time.monotonic()))
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(ledger.transaction(max(0.0, until - time.monotonic()))) for ledger in scaler.ledgers]
 
 
 def _check_others(
