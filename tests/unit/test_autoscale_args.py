@@ -218,8 +218,12 @@ def test_the_usage_shows_the_flags(vllm_modules) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "parts"),
     [
-        ({"kv_cache_min_memory": "1G"}, ["--kv-cache-min-memory apply only with --kv-cache-autoscale"]),
-        ({"kv_cache_shared_budget": "2G"}, ["--kv-cache-shared-budget apply only with --kv-cache-autoscale"]),
+        ({"kv_cache_min_memory": "1G"}, ["--kv-cache-min-memory applies only with --kv-cache-autoscale"]),
+        ({"kv_cache_shared_budget": "2G"}, ["--kv-cache-shared-budget applies only with --kv-cache-autoscale"]),
+        (
+            {"kv_cache_min_memory": "1G", "kv_cache_shared_budget": "2G"},
+            ["--kv-cache-min-memory and --kv-cache-shared-budget apply only with --kv-cache-autoscale"],
+        ),
         ({"kv_cache_autoscale": True}, ["--kv-cache-autoscale needs a cap", "--kv-cache-max-memory SIZE"]),
         (
             {"kv_cache_max_memory": "1G", "kv_cache_autoscale": True, "kv_cache_min_memory": "2G"},
