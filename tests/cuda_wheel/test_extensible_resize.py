@@ -70,6 +70,8 @@ class _Workers:
             return [NUM_BLOCKS * BYTES_PER_BLOCK]
         if method == "kv_cache_limit_chunk_blocks":
             return [WorkerBase.kv_cache_limit_chunk_blocks(self.worker)]
+        if method == "kv_cache_limit_committable":
+            return [WorkerBase.kv_cache_limit_committable(self.worker)]
         if method == "kv_cache_limit_pages":
             self.pages_calls.append(tuple(args))
             return [WorkerBase.kv_cache_limit_pages(self.worker, *args)]
@@ -480,13 +482,15 @@ def test_two_autoscaled_caches_under_one_shared_budget_trade_committed_memory(
                 _cache(core).free()
 
 
-def test_a_cache_extended_to_the_cap_commits_what_warmup_measured_and_grows_to_the_cap_later(
+def test_a_cache_extended_to_the_cap_commits_what_warmup_measured_and_grows_to_the_cap_once_memory_frees(
     fake_gpu: FakeGPU, tiny_model: str, driver: HostVmmDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Warmup left room for fewer blocks than the cap: the engine core gives
     the workers the cap's blocks (block pool, views), each worker commits
-    what it measured, the engine starts with a limit there, and the limit
-    later grows to the cap, committing the memory as it does."""
+    what it measured, the engine starts with a limit there, a raise past
+    what vLLM can commit beside its activation headroom is refused, and
+    once the device frees memory the limit grows to the cap, committing the
+    memory as it does."""
     assert gpu_worker.measure_kv_cache_blocks is vllm_extensible.measure_kv_cache_blocks  # the worker calls the wrapper
     assert gpu_worker.extend_kv_cache is vllm_extensible.extend_kv_cache
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, device=None: None)
@@ -508,6 +512,9 @@ def test_a_cache_extended_to_the_cap_commits_what_warmup_measured_and_grows_to_t
         assert max(b.block_id for b in limit.pool.free_block_queue.get_all_free_blocks()) < measured
         assert driver.mapped_bytes == cache.physical_bytes_for(measured)
 
+        assert limit_math.is_error(_set(core, NUM_BLOCKS))  # vLLM's committable_blocks: no more fit
+        assert driver.mapped_bytes == cache.physical_bytes_for(measured)
+        fake_gpu.free += 2 << 30
         assert not limit_math.is_error(_set(core, NUM_BLOCKS))  # the neighbour left: up to the cap
         assert driver.mapped_bytes == NUM_BLOCKS * BYTES_PER_BLOCK
         assert cache.num_committed_blocks == NUM_BLOCKS

@@ -90,6 +90,8 @@ class _Workers:
             return [0]
         if method == "kv_cache_limit_chunk_blocks":  # vLLM 0.34's extensible cache, not mapped in chunks
             return [1]
+        if method == "kv_cache_limit_committable":  # nothing committed for a limit: no bound
+            return [-1]
         raise AssertionError(f"the plugin made an unexpected worker call: {method}{args}")
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> Future:

@@ -338,6 +338,16 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
             ("physical_bytes", "what is mapped: zero while the engine sleeps"),
         )
     ),
+    *(
+        Attribute(
+            ("vllm.v1.worker.extensible_kv_cache",),
+            "ExtensibleKVCache",
+            attr,
+            f"`hooks.runtime.extensible_kv_cache.committable`: {why}",
+            versions=">=0.34",
+        )
+        for attr, why in (("torch_memory_limit", "what torch may reserve, left free by a raised limit"),)
+    ),
     Attribute(
         ("vllm.config.cache",),
         "CacheConfig",

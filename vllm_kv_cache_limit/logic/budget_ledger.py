@@ -185,7 +185,7 @@ class Ledger:
         if seconds <= 0:
             raise LedgerBusy(f"{path} is locked by another process")
         holder = lock_holders(self.lock_fd) or "a process not shown in /proc/locks (another PID namespace)"
-        raise LedgerBusy(f"{path} was locked for {seconds:g} s by {holder}")
+        raise LedgerBusy(f"{path} was locked for {seconds:.1f} s by {holder}")
 
     def _report(self, name: str, message: str, *args: Any) -> None:
         if name not in self.reported:

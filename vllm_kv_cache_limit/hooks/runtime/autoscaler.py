@@ -90,6 +90,10 @@ class Autoscaler:
     group_caps: list[tuple[int, int]]
     """Per KV cache group: tokens per block, and the most blocks one request needs."""
     max_model_len: int
+    committable: Callable[[Any], int | None] | None = None
+    """The most blocks the engine core's workers can commit now beside the
+    memory vLLM keeps for activations (``hooks.runtime.committable``; None:
+    no bound): a grow stops there, below the ceiling."""
     budget: int | None = None
     lazy_release: bool = True
     """A shrink after idling returns the pages lazily (``MADV_FREE``): the
@@ -199,6 +203,10 @@ class Autoscaler:
             # exactly the memory it commits, and the ledger says so.
             rounded = min(self.allocation.whole_chunks(new, up=True), max(new, self.ceiling))
             new = None if (rounded >= limit) != (new >= limit) or rounded == limit else rounded
+        if new is not None and new > limit and self.committable is not None:
+            most = self.committable(engine_core)
+            new = new if most is None else min(new, most)
+            new = new if new > limit else None
         held = self.held
         if self.budget is not None:
             new, gave = self._within_budget(limit, new, drained, now)

@@ -13,7 +13,14 @@ from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.hooks.devices import instance_devices
-from vllm_kv_cache_limit.hooks.runtime import announcing, autoscaler, extensible_kv_cache, shared_budget, wakeups
+from vllm_kv_cache_limit.hooks.runtime import (
+    announcing,
+    autoscaler,
+    committable,
+    extensible_kv_cache,
+    shared_budget,
+    wakeups,
+)
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
 from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional, require_hooks
 from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState, RuntimeLimit, allocation_of, pages_of
@@ -213,8 +220,11 @@ def _set_limit(self: Any, nbytes: int, mode: str, log: bool = True, lazy: bool =
         limit = RuntimeLimit.of(pool)
         allocation = limit.allocation if limit else allocation_of(self)
         new = limit_math.limit_for(int(nbytes), allocation)
-        if new < (limit.limit if limit else allocation.num_blocks):
+        current = limit.limit if limit else allocation.num_blocks
+        if new < current:
             _refuse_unreturnable(self, nbytes)
+        elif new > current:
+            committable.refuse_above(self, int(nbytes), new, current, allocation.bytes_per_block)
     except KVCacheResizeError as exc:
         return {"error": str(exc)}
     if limit is None:
@@ -288,6 +298,8 @@ def _kv_cache_limit_status(self: Any) -> dict[str, Any]:
     )
     running, waiting = _request_counts(self.scheduler)
     status.update(num_requests_running=running, num_requests_waiting=waiting, last_change_at=limit.changed_at)
+    most = committable.most_blocks(self, limit.limit)
+    status["kv_cache_committable_bytes"] = None if most is None else most * limit.allocation.bytes_per_block
     scaler = _autoscaler_of(self)
     status["autoscale"] = None if scaler is None else scaler.status()
     return status
@@ -326,6 +338,7 @@ def start_autoscaling(self: Any) -> None:
         hysteresis=Hysteresis(Policy(floor, allocation.blocks_per_request, shrink_after_s())),
         ceiling=allocation.num_blocks,
         set_limit=functools.partial(_set_limit, log=False),
+        committable=committable.committable_of,
         group_caps=groups,
         max_model_len=allocation.max_model_len,
         budget=getattr(cache_config, autoscaler.SHARED_BUDGET),

@@ -29,6 +29,12 @@ NO_RETURN_HINT = (
     "allocated and only stops the engine from using it."
 )
 
+LAYOUT_HINT = (
+    "A run-time limit on this engine keeps the memory allocated and only stops the engine from using it; "
+    "a block-compact layout returns it: set VLLM_KV_CACHE_LAYOUT=LBHNC (which rocm_attn and rocm_aiter_fa "
+    "also accept)."
+)
+
 
 def patch(module: Any) -> None:
     """Why: vLLM commits the KV cache's final size after warmup in one run
@@ -93,8 +99,13 @@ def _chunked_before(original: Callable) -> Callable:
         _give_plan(runner, kv_cache)
         measured = getattr(kv_cache, "_kvcl_measured", None)
         if plan_of(kv_cache) is None or measured is None or measured >= num_blocks:
-            return original(runner, kv_cache_config, num_blocks, *args, **kwargs)
-        return _extend_committing(original, kv_cache, measured, runner, kv_cache_config, num_blocks, *args, **kwargs)
+            result = original(runner, kv_cache_config, num_blocks, *args, **kwargs)
+        else:
+            result = _extend_committing(
+                original, kv_cache, measured, runner, kv_cache_config, num_blocks, *args, **kwargs
+            )
+        kv_cache._kvcl_started = kv_cache.num_committed_blocks
+        return result
 
     return extend_kv_cache
 
@@ -143,11 +154,15 @@ def _give_plan(runner: Any, kv_cache: Any) -> None:
         else reason
     )
     if isinstance(plan, str):
+        hint = NO_RETURN_HINT
+        if reason is None:  # the layout's segments, not a feature
+            layout = runner.cache_config.get_resolved_kv_cache_layout()
+            plan = f"the KV cache layout {layout.name} gives it segments that {plan.removeprefix('its segments ')}"
+            hint = LAYOUT_HINT
         kv_cache._kvcl_refusal = plan
+        kv_cache._kvcl_hint = hint
         logger.warning(
-            "KV cache max memory: a run-time limit cannot return GPU memory on this engine: %s. %s",
-            plan,
-            NO_RETURN_HINT,
+            "KV cache max memory: a run-time limit cannot return GPU memory on this engine: %s. %s", plan, hint
         )
         return
     buffer = kv_cache.buffer._buffer
@@ -181,7 +196,8 @@ def chunks_of(kv_cache: Any) -> ChunkPlan:
                 "Cannot return the KV cache's GPU memory above the limit: the KV cache was not mapped in chunks "
                 "(no cap was in force when vLLM extended it). Start the engine with --kv-cache-max-memory."
             )
-        raise KVCacheResizeError(f"Cannot return the KV cache's GPU memory above the limit: {reason}. {NO_RETURN_HINT}")
+        hint = getattr(kv_cache, "_kvcl_hint", NO_RETURN_HINT)
+        raise KVCacheResizeError(f"Cannot return the KV cache's GPU memory above the limit: {reason}. {hint}")
     return plan
 
 
@@ -212,12 +228,13 @@ def clear_stale_block_ids(runner: Any, kv_cache: Any, keep: int) -> int:
     blocks whose memory is gone. The attention kernels in vLLM read KV data
     only within a sequence's length; this keeps any code that reads past it
     (a precompiled kernel's tile, a prefetch) on mapped memory. The requests
-    left all hold blocks below ``keep`` (the limit drained the others); the
-    device's work in flight, on any stream, ends first."""
+    left all hold blocks below ``keep`` (the limit drained the others), so
+    no work in flight reads an entry this changes within a row's length:
+    no wait here (``release_above`` waited before any memory went), and
+    the change is queued on the device after that work."""
     tables = getattr(runner, "block_tables", None)
     if tables is None:  # not vLLM's GPU model runner: no persistent block tables
         return 0
-    _synchronize(kv_cache)
     targets = [table.gpu for table in tables.block_tables] + list(tables.input_block_tables)
     pcp = getattr(runner, "pcp_manager", None)
     targets += list(getattr(pcp, "_local_block_tables", None) or ())
@@ -248,7 +265,12 @@ def commit_up_to(kv_cache: Any, keep: int) -> None:
 def pages(kv_cache: Any, keep: int, num_blocks: int, release: bool) -> int:
     """The worker's side of ``RuntimeLimit.pages`` on an extensible cache:
     release the chunks above ``keep`` (returns the bytes released), or
-    commit up to ``keep`` (returns the bytes still released above it)."""
+    commit up to ``keep`` (returns the bytes still released above it). A
+    cache without a chunk plan keeps all its memory (the limit is logical):
+    it says so once, and returns 0."""
+    if plan_of(kv_cache) is None:
+        _say_memory_stays(kv_cache)
+        return 0
     if release:
         return release_above(kv_cache, keep)
     if not kv_cache.physical_bytes:
@@ -257,6 +279,48 @@ def pages(kv_cache: Any, keep: int, num_blocks: int, release: bool) -> int:
         return 0
     commit_up_to(kv_cache, min(keep, num_blocks))
     return max(0, kv_cache.physical_bytes_for(num_blocks) - kv_cache.physical_bytes)
+
+
+def _say_memory_stays(kv_cache: Any) -> None:
+    """One line, once per cache: why a lower limit returns no GPU memory here."""
+    if getattr(kv_cache, "_kvcl_said_stays", False):
+        return
+    kv_cache._kvcl_said_stays = True
+    reason = getattr(kv_cache, "_kvcl_refusal", None)
+    if reason is None:
+        logger.info(
+            "KV cache max memory: the extensible KV cache is not mapped in chunks (no cap was in force when vLLM "
+            "extended it), so a run-time limit keeps its GPU memory allocated and only stops the engine from "
+            "using the blocks above it. Start the engine with --kv-cache-max-memory to have it returned."
+        )
+        return
+    logger.warning(
+        "KV cache max memory: the extensible KV cache is not mapped in chunks (%s), so a run-time limit keeps "
+        "its GPU memory allocated and only stops the engine from using the blocks above it.",
+        reason,
+    )
+
+
+def committable(kv_cache: Any) -> int:
+    """The most blocks a raised limit may commit on this worker now (-1: no
+    bound: a cache without a chunk plan commits nothing). Why: past what vLLM
+    sized after warmup, a commit takes the memory vLLM keeps for activations
+    (a later forward pass runs out of it). How: the larger of what vLLM
+    committed at start-up and its ``committable_blocks()``, which must also
+    leave free what torch may still reserve under vLLM's limit."""
+    if plan_of(kv_cache) is None:
+        return -1
+    import torch
+
+    now = kv_cache.committable_blocks()
+    torch_limit = kv_cache.torch_memory_limit
+    if torch_limit is not None:
+        device = kv_cache.buffer.device
+        free, _ = torch.accelerator.get_memory_info(device)
+        torch_may_take = max(0, torch_limit - torch.accelerator.memory_reserved(device))
+        now = min(now, kv_cache.blocks_within(free + kv_cache.physical_bytes - torch_may_take))
+    started = getattr(kv_cache, "_kvcl_started", kv_cache.capacity_blocks)
+    return min(kv_cache.capacity_blocks, max(started, kv_cache.num_committed_blocks, now))
 
 
 def _synchronize(kv_cache: Any) -> None:
@@ -294,6 +358,17 @@ EXTENSIBLE_KV_CACHE_COMMIT = Hook(
     ("self", "num_blocks", "defragment", "shrink"),
     versions=">=0.34",
 )
+# Called, not wrapped: what a raised limit may commit (``committable``).
+EXTENSIBLE_KV_CACHE_COMMITTABLE_BLOCKS = Hook(
+    ("vllm.v1.worker.extensible_kv_cache",), "ExtensibleKVCache.committable_blocks", ("self",), versions=">=0.34"
+)
+EXTENSIBLE_KV_CACHE_BLOCKS_WITHIN = Hook(
+    ("vllm.v1.worker.extensible_kv_cache",), "ExtensibleKVCache.blocks_within", ("self", "num_bytes"), versions=">=0.34"
+)
+# Called, not wrapped: the layout named where it gets no chunk plan (``_give_plan``).
+CACHE_CONFIG_GET_RESOLVED_KV_CACHE_LAYOUT = Hook(
+    ("vllm.config.cache",), "CacheConfig.get_resolved_kv_cache_layout", ("self",), versions=">=0.34"
+)
 EXTENSIBLE_KV_CACHE_PHYSICAL_BYTES_FOR = Hook(
     ("vllm.v1.worker.extensible_kv_cache",),
     "ExtensibleKVCache.physical_bytes_for",
@@ -314,6 +389,9 @@ HOOKS = (
     MEASURE_KV_CACHE_BLOCKS,
     EXTENSIBLE_KV_CACHE_COMMIT,
     EXTENSIBLE_KV_CACHE_PHYSICAL_BYTES_FOR,
+    EXTENSIBLE_KV_CACHE_COMMITTABLE_BLOCKS,
+    EXTENSIBLE_KV_CACHE_BLOCKS_WITHIN,
+    CACHE_CONFIG_GET_RESOLVED_KV_CACHE_LAYOUT,
     KV_TRANSFER_REGISTERS_MEMORY,
     KV_TRANSFER_HAS_CONNECTOR,
 )

@@ -38,6 +38,7 @@ def patch(module: Any) -> None:
         module.WorkerBase.kv_cache_limit_pages = kv_cache_limit_pages
         module.WorkerBase.kv_cache_limit_allocated = worker_kv_cache_bytes
         module.WorkerBase.kv_cache_limit_chunk_blocks = kv_cache_limit_chunk_blocks
+        module.WorkerBase.kv_cache_limit_committable = kv_cache_limit_committable
 
     optional(WORKER_BASE, apply)
 
@@ -55,6 +56,14 @@ def kv_cache_limit_chunk_blocks(self: Any) -> int:
     return 1 if plan is None else plan.blocks_per_chunk
 
 
+def kv_cache_limit_committable(self: Any) -> int:
+    """The most blocks a raised limit may commit on this worker without
+    taking the memory vLLM keeps for activations (-1: no bound, nothing is
+    committed: no extensible KV cache, or one not mapped in chunks)."""
+    kv_cache = _extensible_cache(self)
+    return -1 if kv_cache is None else extensible_kv_cache.committable(kv_cache)
+
+
 def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool, lazy: bool = False) -> int:
     """Release (``release=True``) the pages of blocks ``[keep, num_blocks)``
     of this worker's KV cache with ``madvise(MADV_DONTNEED)``: they read as
@@ -69,7 +78,7 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool, l
     kv_cache = _extensible_cache(self)
     if kv_cache is not None:
         moved = extensible_kv_cache.pages(kv_cache, keep, num_blocks, release)
-        if release:
+        if release and extensible_kv_cache.plan_of(kv_cache) is not None:
             cleared = extensible_kv_cache.clear_stale_block_ids(self.model_runner, kv_cache, keep)
             logger.info(
                 "KV cache chunks of blocks %d-%d released: %d bytes of GPU memory; %d stale block-table "
