@@ -155,6 +155,36 @@ def check_cap_within_total(cap: int, total: int, device: str) -> None:
         )
 
 
+SMALLEST_DEFAULT_BLOCK_SIZE = 16
+"""The smallest block size in tokens vLLM picks itself on any platform."""
+
+SMALLEST_TOKEN_BYTES = 2 * 8 * 1
+"""KV cache bytes of one token of the smallest model: K and V, one layer,
+one KV head of 8 dimensions (the least vLLM's attention backends take), fp8."""
+
+
+def smallest_block_bytes(block_size: int | None) -> int:
+    """A lower bound on one KV cache block of any model, known before the
+    model's config is read: ``block_size`` tokens (vLLM's smallest default
+    where it is not given) of the smallest token."""
+    return (block_size or SMALLEST_DEFAULT_BLOCK_SIZE) * SMALLEST_TOKEN_BYTES
+
+
+def check_cap_holds_a_block(cap: int, block_size: int | None) -> None:
+    """Fail fast, before any weights load: a cap below one block of the
+    smallest model can hold no KV cache at all. Such a cap is mostly a size
+    the shell split (``--kv-cache-max-memory 8 G`` unquoted gives 8 bytes,
+    and ``G`` becomes another argument), so the error says how to write it."""
+    least = smallest_block_bytes(block_size)
+    if cap < least:
+        raise KVCacheMaxMemoryError(
+            f"{FLAG} {format_size(cap)} ({cap} bytes) is smaller than one KV cache block of any model "
+            f"(at least {least} bytes at a block size of {block_size or SMALLEST_DEFAULT_BLOCK_SIZE}). "
+            f"A size with a space must be quoted ({FLAG} '{cap} G'), or written without one ({FLAG} {cap}G); "
+            "unquoted, the shell passes the unit as another argument. A plain number is bytes."
+        )
+
+
 def check_explicit_size_within_free(size: int, cap: int, free: int, total: int, device: str) -> None:
     """With an explicit KV cache size (``kv_cache_memory_bytes``, already
     reduced to the cap), vLLM allocates exactly ``size`` without measuring:

@@ -32,6 +32,7 @@ from vllm_kv_cache_limit.logic.cap_decision import (
     ENV_VAR,
     FLAG,
     cap_explicit_size,
+    check_cap_holds_a_block,
     check_cap_within_total,
     resolve_cap,
 )
@@ -163,8 +164,9 @@ def _add_cli_flag(original: Callable) -> Callable:
 def _carry_cap_into_config(original: Callable) -> Callable:
     """Why: the cap must reach the engine core and every worker.
     How: resolves the cap (argument, else ``VLLM_KV_CACHE_MAX_MEMORY``),
-    refuses one above the device's total memory before anything loads, calls
-    the original, then sets ``cache_config.kv_cache_max_memory`` (pickled to
+    refuses one below a KV cache block of any model (``8 G`` unquoted) or
+    above the device's total memory before anything loads, calls the
+    original, then sets ``cache_config.kv_cache_max_memory`` (pickled to
     every process; shown by ``CacheConfig.metrics_info``) and reduces an
     explicit ``kv_cache_memory_bytes`` above the cap."""
 
@@ -178,6 +180,8 @@ def _carry_cap_into_config(original: Callable) -> Callable:
         if scaling["kv_cache_autoscale"]:
             shrink_after_s()  # a bad value fails here, quoted
             lazy_release()
+        if cap is not None:
+            check_cap_holds_a_block(cap, getattr(self, "block_size", None))
         if cap is None:
             # No cap in force for the processes this engine starts.
             os.environ.pop(envs.ERROR_FILE, None)
