@@ -181,7 +181,7 @@ def check_settings(cap: int | None, enabled: bool, min_memory: int | None, share
     if not enabled:
         if given:
             raise KVCacheMaxMemoryError(
-                f"{' and '.join(given)} apply only with {AUTOSCALE_FLAG}: add {AUTOSCALE_FLAG} (and a cap, "
+                f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} only with {AUTOSCALE_FLAG}: add {AUTOSCALE_FLAG} (and a cap, "
                 f"--kv-cache-max-memory SIZE), or leave {' and '.join(given)} out."
             )
         return
