@@ -272,16 +272,26 @@ def bare_gpu_worker(config: Any) -> Any:
 @pytest.fixture
 def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The host-memory stand-in (``tests/cuda_wheel/vmm_standin.py``, 2 MiB
-    granularity) as vLLM 0.34's VMM driver, and the torch device calls vLLM
-    makes around it (no device here) as no-ops."""
+    granularity) as vLLM 0.34's VMM driver, with the device's work in flight
+    over its memory (``driver.device``, ``tests/cuda_wheel/device_standin.py``):
+    torch's synchronize runs that work, and faults where its memory went
+    first. A test that ends with work still queued has it run, and fails on
+    a fault it did not expect."""
     import torch
     import vllm.utils.extensible_tensor as extensible_tensor
 
+    from tests.cuda_wheel.device_standin import Device
     from tests.cuda_wheel.vmm_standin import HostVmmDriver, MiB
 
     standin = HostVmmDriver(2 * MiB)
+    device = standin.device = Device(standin)  # type: ignore[attr-defined]
     monkeypatch.setattr(extensible_tensor, "get_vmm_driver", lambda: standin)
-    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: None, raising=False)
+    monkeypatch.setattr(torch.accelerator, "synchronize", device.synchronize, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", device.synchronize)
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None, raising=False)
     yield standin
-    standin.close()
+    try:
+        if device.fault is None:
+            device.synchronize()
+    finally:
+        standin.close()

@@ -43,7 +43,9 @@ raises, naming the CUDA error and the rule:
 It counts the calls per method (:attr:`calls`) and tracks the bytes mapped
 (:attr:`mapped_bytes`), the bytes of live physical memory
 (:attr:`physical_bytes`: created handles not yet freed) and the bytes moved
-(:attr:`bytes_mapped_total`, :attr:`bytes_unmapped_total`).
+(:attr:`bytes_mapped_total`, :attr:`bytes_unmapped_total`). The device's
+work in flight over this memory is :class:`tests.cuda_wheel.device_standin.Device`,
+which learns of each unmap (:attr:`unmap_listeners`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 MiB = 1 << 20
@@ -166,6 +169,10 @@ class HostVmmDriver:
         self.deferred_releases = 0
         self.bytes_mapped_total = 0
         self.bytes_unmapped_total = 0
+        self.accessible: set[int] = set()
+        """Addresses of the mappings ``set_access`` made readable and writable."""
+        self.unmap_listeners: list[Callable[[int, int], None]] = []
+        """Called with ``(address, size)`` of each mapping as it is unmapped."""
         self._next_handle = 1
         self._lock = threading.Lock()
 
@@ -310,6 +317,7 @@ class HostVmmDriver:
                     f"the range must be fully mapped: [{ptr:#x}, +{size:#x}) is unmapped from {covered:#x}",
                 )
             _mprotect(ptr, size, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.accessible.update(addr for addr in self.mappings if ptr <= addr < ptr + size)
 
     def unmap(self, ptr: int, size: int) -> None:
         self.calls["unmap"] += 1
@@ -325,11 +333,14 @@ class HostVmmDriver:
             # Back to reserved address space: the pages leave the process.
             _reserve_pages(ptr, size)
             del self.mappings[ptr]
+            self.accessible.discard(ptr)
             h = self.handles[mapping[1]]
             h.mappings -= 1
             self.bytes_unmapped_total += size
             if h.released and h.mappings == 0:
                 self._free_handle(mapping[1])
+        for listener in self.unmap_listeners:
+            listener(ptr, size)
 
     def release(self, handle: int) -> None:
         self.calls["release"] += 1
