@@ -14,7 +14,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_kv_cache_limit.logic.kv_cache import (
-    MADV_DONTNEED,
     MADV_FREE,
     backing_bytes,
     bytes_per_block,
@@ -22,7 +21,6 @@ from vllm_kv_cache_limit.logic.kv_cache import (
     kv_cache_storages,
     kv_cache_tensors,
     lazy_free_bytes_in,
-    release_advice,
     smaps_field_kib,
     worker_kv_cache_bytes,
 )
@@ -111,12 +109,6 @@ LazyFree:              4 kB
 Rss:                1024 kB
 LazyFree:            512 kB
 """
-
-
-def test_release_advice() -> None:
-    assert (MADV_DONTNEED, MADV_FREE) == (4, 8)  # Linux's numbers
-    assert release_advice(lazy=True) == MADV_FREE
-    assert release_advice(lazy=False) == MADV_DONTNEED
 
 
 def test_held_bytes_is_rss_less_lazy_free() -> None:

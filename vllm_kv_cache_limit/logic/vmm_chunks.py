@@ -74,11 +74,6 @@ class ChunkPlan:
             if all(offset + size <= lo or offset >= hi for lo, hi in kept if hi > lo)
         ]
 
-    def committed_blocks(self, keep: int) -> int:
-        """Blocks backed once everything wholly above ``keep`` is released:
-        ``keep`` rounded up to whole chunks, at most the capacity."""
-        return min(self.capacity_blocks, -(-keep // self.blocks_per_chunk) * self.blocks_per_chunk)
-
     def chunk_bytes(self) -> int:
         """Bytes of one chunk over all segments (one step of the memory returned)."""
         return self.blocks_per_chunk * sum(self.segment_strides)
