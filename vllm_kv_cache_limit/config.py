@@ -74,7 +74,9 @@ class KVCacheLimitConfig:
     shared by containers through a volume); when the budget is used and
     another instance needs blocks, an instance holding more than its
     entitlement gives back what the other needs: under contention the
-    budget is split in proportion to demand, each keeping its floor. An instance that exits or dies gives its share back.
+    budget is split max-min fair, each instance with demand guaranteed its
+    target up to an even share and its floor, the rest lent and reclaimed
+    within about a second. An instance that exits or dies gives its share back.
     Needs `--kv-cache-autoscale`."""
 
 

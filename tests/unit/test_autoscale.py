@@ -23,6 +23,7 @@ from vllm_kv_cache_limit.logic.autoscale_policy import (
     give_back,
     grant,
     lazy_release,
+    must_reclaim,
     release_lazily,
     shrink_after_s,
 )
@@ -212,28 +213,34 @@ def test_entitlement_is_the_wish_when_all_wishes_fit() -> None:
     assert entitlement(me, others, 100 * GiB) == 3 * GiB
 
 
-def test_entitlement_under_contention_is_proportional_above_the_floors() -> None:
-    # Wishes 6 + 12 + 2 = 20 GiB for a 12 GiB budget; floors 1 GiB each.
+def test_entitlement_under_contention_is_max_min_fair() -> None:
+    # Wishes 6 + 12 + 2 = 20 GiB for a 12 GiB budget (an even share: 4 GiB); floors 1 GiB each.
     a = Share(holds=0, wants=6 * GiB, floor=GiB)
     b = Share(holds=0, wants=12 * GiB, floor=GiB)
     c = Share(holds=0, wants=2 * GiB, floor=GiB)
     budget = 12 * GiB
-    spare = budget - 3 * GiB  # 9 GiB split 5 : 11 : 1 (the wishes above the floors)
     ent = {
         "a": entitlement(a, [b, c], budget),
         "b": entitlement(b, [a, c], budget),
         "c": entitlement(c, [a, b], budget),
     }
-    assert ent == {
-        "a": GiB + spare * 5 // 17,
-        "b": GiB + spare * 11 // 17,
-        "c": GiB + spare * 1 // 17,
-    }
-    assert sum(ent.values()) <= budget
-    assert budget - sum(ent.values()) < 3  # only integer rounding is left over
-    # Proportional: the larger wish gets more, none gets more than it wants.
-    assert ent["c"] < ent["a"] < ent["b"]
-    assert ent["a"] < a.wants and ent["b"] < b.wants and ent["c"] < c.wants
+    # c wishes for less than an even share: all of it. a and b split the rest evenly, however
+    # much more b wishes for than a (a deep queue does not buy a larger share).
+    assert ent == {"a": 5 * GiB, "b": 5 * GiB, "c": 2 * GiB}
+    assert sum(ent.values()) == budget
+
+
+def test_entitlement_guarantees_the_wish_up_to_an_even_share() -> None:
+    rng = random.Random(3)
+    for _ in range(2000):
+        count = rng.randint(2, 5)
+        shares = [random_share(rng, 10_000) for _ in range(count)]
+        budget = rng.randint(sum(s.floor for s in shares), 12_000)
+        even = budget // count
+        for i, s in enumerate(shares):
+            got = entitlement(s, shares[:i] + shares[i + 1 :], budget)
+            if all(o.floor <= even for o in shares):
+                assert got >= min(s.wants, even), (shares, budget, i, got)
 
 
 def test_entitlement_keeps_each_floor() -> None:
@@ -306,10 +313,9 @@ def test_grant_examples() -> None:
 def test_grant_under_contention_is_the_entitlement() -> None:
     me = Share(holds=GiB, wants=8 * GiB, floor=GiB)
     other = Share(holds=GiB, wants=5 * GiB, floor=GiB)
-    budget = 10 * GiB  # wishes 13 GiB: contention; 8 GiB above the floors, split 7 : 4
-    expected = GiB + (budget - 2 * GiB) * 7 // 11
-    assert grant(me, [other], budget) == expected < me.wants
-    assert grant(other, [me], budget) == GiB + (budget - 2 * GiB) * 4 // 11
+    budget = 10 * GiB  # wishes 13 GiB: contention; an even share each, 5 GiB
+    assert grant(me, [other], budget) == 5 * GiB < me.wants
+    assert grant(other, [me], budget) == 5 * GiB == other.wants
 
 
 def test_give_back_is_none_when_nobody_needs() -> None:
@@ -342,8 +348,8 @@ def test_an_idle_instance_gives_back_first() -> None:
     # Under contention (the busy one wants more too), still the idle one.
     busier = Share(holds=30 * GiB, wants=60 * GiB, floor=5 * GiB)
     back = give_back(idle, [busier, needy], budget)
-    assert back is not None and idle.floor <= back < idle.wants
-    assert back == entitlement(idle, [busier, needy], budget)
+    # Its wish is below an even share (33 GiB): it keeps its wish, gives the rest.
+    assert back == entitlement(idle, [busier, needy], budget) == idle.wants
     assert give_back(busier, [idle, needy], budget) is None
 
 
@@ -355,9 +361,25 @@ def test_give_back_never_below_the_floor() -> None:
     # Busy, under contention: its entitlement, which keeps the floor.
     busy = Share(holds=8 * GiB, wants=4 * GiB, floor=3 * GiB)
     back = give_back(busy, [starving], 9 * GiB)
-    assert back == entitlement(busy, [starving], 9 * GiB) == 3 * GiB + (5 * GiB * GiB) // (64 * GiB)
+    assert back == entitlement(busy, [starving], 9 * GiB) == 4 * GiB  # its wish, below an even share (4.5 GiB)
     at_floor = Share(holds=3 * GiB, wants=3 * GiB, floor=3 * GiB)
     assert give_back(at_floor, [starving], 4 * GiB) is None
+
+
+def test_reclaim_only_while_another_waits_below_its_fair_share_for_what_this_one_holds() -> None:
+    budget = 32
+    # Gave back to 16 but still holds 27 (its drain waits for requests above 16); the other holds its floor.
+    draining = Share(holds=27, wants=32, floor=5)
+    waiting = Share(holds=5, wants=32, floor=5)
+    assert must_reclaim(draining, [waiting], budget)
+    # The other reached its fair share, or wishes for no more than it holds: nothing to reclaim.
+    assert not must_reclaim(Share(holds=16, wants=32, floor=5), [Share(holds=16, wants=32, floor=5)], budget)
+    assert not must_reclaim(draining, [Share(holds=5, wants=5, floor=5)], budget)
+    # Short of its share by less than a chunk it could take: no reclaim for it.
+    assert not must_reclaim(draining, [Share(holds=15, wants=32, floor=5)], budget, slack=2)
+    assert must_reclaim(draining, [Share(holds=15, wants=32, floor=5)], budget)
+    # The budget has room for the other's share without this one's blocks: no reclaim.
+    assert not must_reclaim(Share(holds=10, wants=32, floor=5), [waiting], 48)
 
 
 def test_give_back_random_cases() -> None:

@@ -19,11 +19,14 @@ prefix cache are counted once per request). The rules:
   a grow.
 
 With a shared budget (``budget``) every instance's wish is its target and
-the budget is split by KV pressure, in the spirit of Prism: when the wishes
-add up to more than the budget, each instance is entitled to the budget in
-proportion to its wish (never below its floor); one holding more than its
-entitlement gives the rest back in drain mode, at once, so that idle
-instances (small wishes) give first.
+the budget is split max-min fair: when the wishes add up to more than the
+budget, each instance is entitled to its wish up to one level for all
+(water-filling), never below its floor, so each with demand is guaranteed
+its wish up to an even share, and what one wishes for below it is lent to
+the others. One holding more than its entitlement gives the rest back in
+drain mode, at once, so that idle instances (small wishes) give first; a
+drain that has not held after ``RECLAIM_AFTER_S`` while another instance
+waits below its entitlement preempts the requests above its limit.
 
 The vLLM glue is in ``hooks.runtime.autoscaler``.
 """
@@ -107,20 +110,30 @@ class Share:
     floor: int
 
 
+def fair_shares(shares: list[Share], budget: int) -> list[int]:
+    """What each instance of ``shares`` may hold under ``budget``: its wish
+    when all wishes fit, else its max-min fair share (water-filling): one
+    level for all, each at least its floor and at most its wish. So every
+    instance is guaranteed its wish up to an even share of the budget above
+    the floors, and what an instance wishing for less leaves is split evenly
+    among those wishing for more."""
+    if sum(s.wants for s in shares) <= budget:
+        return [s.wants for s in shares]
+
+    def at(level: int) -> list[int]:
+        return [max(s.floor, min(s.wants, level)) for s in shares]
+
+    low, high = 0, max(s.wants for s in shares)
+    while low < high:  # the highest level that fits in the budget
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if sum(at(mid)) <= budget else (low, mid - 1)
+    return at(low)
+
+
 def entitlement(me: Share, others: list[Share], budget: int) -> int:
-    """What ``me`` may hold under ``budget``: its wish when all wishes fit,
-    else its share of the budget in proportion to its wish (KV pressure),
-    never below its floor."""
-    wants = me.wants + sum(o.wants for o in others)
-    if wants <= budget:
-        return me.wants
-    floors = me.floor + sum(o.floor for o in others)
-    # Above the floors, the budget is split in proportion to each wish above its floor.
-    spare = max(0, budget - floors)
-    above = [max(0, s.wants - s.floor) for s in (me, *others)]
-    total = sum(above)
-    extra = spare * above[0] // total if total else 0
-    return me.floor + extra
+    """What ``me`` may hold under ``budget``: its :func:`fair_shares` entry
+    beside ``others``, never below its floor."""
+    return fair_shares([me, *others], budget)[0]
 
 
 def grant(me: Share, others: list[Share], budget: int) -> int:
@@ -144,6 +157,26 @@ def give_back(me: Share, others: list[Share], budget: int) -> int | None:
     # Give no more than the others need beyond what is free.
     keep = max(keep, me.holds - (needy - max(0, free)))
     return keep if keep < me.holds else None
+
+
+RECLAIM_AFTER_S = 1.0
+"""Seconds a lowered limit may drain while another instance waits below its
+fair share; then the requests holding blocks above it are preempted."""
+
+
+def must_reclaim(me: Share, others: list[Share], budget: int, slack: int = 0) -> bool:
+    """Whether another instance holds less than it is entitled to (by more
+    than ``slack``: a chunk it cannot take whole), wishes for more than it
+    holds, and cannot grow there with what is free: the blocks ``me`` still
+    holds above a lowered limit are then needed, and a drain that waits for
+    its requests to finish must not last (they are preempted after
+    ``RECLAIM_AFTER_S``)."""
+    for index, other in enumerate(others):
+        rest = [me, *others[:index], *others[index + 1 :]]
+        due = min(other.wants, entitlement(other, rest, budget))
+        if other.holds + slack < due and budget - sum(s.holds for s in rest) < due:
+            return True
+    return False
 
 
 def device_bytes_per_block(allocation: Allocation, devices: int, workers: int, cpu: bool) -> int:

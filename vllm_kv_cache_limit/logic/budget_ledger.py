@@ -33,6 +33,7 @@ import logging
 import os
 import secrets
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -147,6 +148,7 @@ class Ledger:
         self.entry_name = ""
         self.entry_fd = -1
         self.record: dict[str, Any] = {}
+        _forget_in_forked_children(self)
 
     @contextlib.contextmanager
     def transaction(self, wait: bool | float = True) -> Iterator[View]:
@@ -241,6 +243,19 @@ class Ledger:
                 os.close(fd)
         return found
 
+    def forget(self) -> None:
+        """Close this ledger's descriptors without touching the files: in a
+        child forked from its owner, which must not keep the entry's lock
+        (and with it the share) alive once the owner is gone, nor remove the
+        owner's entry. Unlocking there would unlock the owner's too (the
+        lock is on the descriptions both processes share): only closed."""
+        for fd in (self.entry_fd, self.lock_fd, self.dir_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.entry_fd = self.lock_fd = self.dir_fd = -1
+        self.entry_name = ""
+
     def close(self) -> None:
         """Leave the ledger (the share goes back to the others)."""
         if self.entry_fd >= 0:
@@ -252,3 +267,17 @@ class Ledger:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.lock_fd = self.dir_fd = -1
+
+
+def _forget_in_forked_children(ledger: Ledger) -> None:
+    """Have a child forked while ``ledger`` lives close its descriptors
+    (``Ledger.forget``): the registration holds the ledger weakly, so it
+    keeps nothing alive and does nothing once the ledger is gone."""
+    ref = weakref.ref(ledger)
+
+    def after_in_child() -> None:
+        found = ref()
+        if found is not None:
+            found.forget()
+
+    os.register_at_fork(after_in_child=after_in_child)

@@ -114,6 +114,11 @@ class Autoscaler:
     """Blocks this instance's ledger entry holds (its limit, or while a
     lowered limit drains, the one it had)."""
     demand: int = 0
+    lowered_at: float | None = None
+    """When a lowered limit began to drain (None: it has drained)."""
+    reclaim: bool = False
+    """The last budget decision found another instance below its fair share
+    that needs what this one holds (``autoscale_policy.must_reclaim``)."""
     others: list[dict[str, Any]] = field(default_factory=list)
     last_tick: float = 0.0
     changes: int = 0
@@ -212,11 +217,35 @@ class Autoscaler:
             new, gave = self._within_budget(limit, new, drained, now)
             if gave:
                 reason = "another instance needs the shared budget"
+        if drained:
+            self.lowered_at = None
+        elif new is None and self.budget is not None:
+            self._reclaim(engine_core, state, now)
         if new is None or new == limit:
             return
         lazy = autoscale_policy.release_lazily(self.lazy_release, limit, new, self.ceiling, reason)
-        if not self.apply(engine_core, limit, new, reason, lazy) and self.held != held:
+        if self.apply(engine_core, limit, new, reason, lazy):
+            if new < limit and self.lowered_at is None:
+                self.lowered_at = now
+        elif self.held != held:
             self._take_back(held)
+
+    def _reclaim(self, engine_core: Any, state: Any, now: float) -> None:
+        """A lowered limit that has drained for ``RECLAIM_AFTER_S`` while
+        another instance waits below its fair share: preempt the requests
+        that hold blocks above it (vLLM recomputes them), so that the budget
+        moves within a bound, not when the longest of them finishes."""
+        waited = now - (now if self.lowered_at is None else self.lowered_at)
+        if not self.reclaim or waited < autoscale_policy.RECLAIM_AFTER_S:
+            return
+        logger.info(
+            "KV cache autoscale: the limit of %d blocks has not drained for %.1f s while another instance waits "
+            "below its fair share of the shared budget; preempting the requests that hold blocks above it.",
+            state.limit,
+            waited,
+        )
+        state.preempt(engine_core.scheduler)
+        self.lowered_at = now  # tried again after as long, if blocks above are still in use
 
     def _take_back(self, held: int) -> None:
         """A grow the ledger granted but the engine could not apply: the
@@ -307,6 +336,8 @@ class Autoscaler:
             if drained:
                 self.held = limit
             me, others = self._shares(self.held)
+            chunk = self.allocation.blocks_per_chunk * unit
+            self.reclaim = autoscale_policy.must_reclaim(me, others, self.budget, chunk)
             if new is not None and new > limit:
                 granted = self.allocation.whole_chunks(
                     autoscale_policy.grant(me, others, self.budget) // unit, up=False

@@ -117,9 +117,9 @@ def _leave_budget_first(original: Callable) -> Callable:
     its share of the shared budget, until that process exits; a clean exit
     would leave its entry file for the next reader to remove. How: wraps
     ``EngineCore.shutdown`` to remove the engine core's announcement
-    (``hooks.announcing``), stop the autoscaler and remove its entries
-    before the original tears the engine down. Without either the original
-    runs alone."""
+    (``hooks.announcing``) and stop the autoscaler before the original tears
+    the engine down, and its ledger entries after, once the workers' memory
+    they count is gone. Without either the original runs alone."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -128,16 +128,25 @@ def _leave_budget_first(original: Callable) -> Callable:
             logger.exception("Removing this instance's entry from the lock folder failed; the process exit drops it.")
         state = EngineCoreState.peek(self)
         scaler = None if state is None else state.autoscaler
+        stopped = False
         if state is not None and scaler is not None:
             state.autoscaler = None
             try:
-                left = shared_budget.leave(scaler, state.lock, SHUTDOWN_WAIT_S)
+                stopped = shared_budget.stop(scaler, state.lock, SHUTDOWN_WAIT_S)
             except Exception:  # never in the way of vLLM's own shutdown
-                logger.exception("Leaving the shared KV cache budget's ledger failed; the process exit drops it.")
-            else:
-                if left:
-                    logger.debug("KV cache autoscale off: the engine core shuts down; its ledger entries are removed.")
-        return original(self, *args, **kwargs)
+                logger.exception("Stopping KV cache autoscaling failed; the process exit drops its ledger entries.")
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            # The entries go once the workers' memory has (their executor is
+            # shut down): the ledger never says less than they commit.
+            if scaler is not None and stopped:
+                try:
+                    scaler.close()
+                except Exception:
+                    logger.exception("Leaving the shared KV cache budget's ledger failed; the process exit drops it.")
+                else:
+                    logger.debug("KV cache autoscale off: the engine core shut down; its ledger entries are removed.")
 
     return method
 
@@ -151,6 +160,9 @@ def _between_steps(engine_core: Any, limit: RuntimeLimit | None = None) -> None:
         return
     scaler = _autoscaler_of(engine_core)
     if scaler is not None:
+        # A release due first, so that the decision's ledger entry falls to
+        # what the workers hold after it, never before the memory goes.
+        limit.release_if_due()
         scaler.tick(engine_core, limit)
     limit.release_if_due()
 
@@ -345,21 +357,23 @@ def start_autoscaling(self: Any) -> None:
         lazy_release=lazy_release(),
     )
     bpb = allocation.bytes_per_block
+    # The floor first, its pages above returned, then the ledger: its entry
+    # holds what the workers still commit from its first write.
+    reply = _set_limit(self, floor * bpb, "drain", log=False)
+    if limit_math.is_error(reply):
+        raise KVCacheMaxMemoryError(f"--kv-cache-autoscale could not set the limit to its floor: {reply['error']}")
+    limit = _limit_of(self)
+    assert limit is not None
+    scaler.held = floor
     if scaler.budget is not None:
         devices, workers = instance_devices(vllm_config)
         from vllm.platforms import current_platform
 
         cpu = current_platform.is_cpu()
         scaler.device_bytes_per_block = device_bytes_per_block(allocation, len(devices), workers, cpu)
-        shared_budget.join(scaler, [(d.key, d.label) for d in devices])
-    reply = _set_limit(self, floor * bpb, "drain", log=False)
-    if limit_math.is_error(reply):
-        scaler.close()
-        raise KVCacheMaxMemoryError(f"--kv-cache-autoscale could not set the limit to its floor: {reply['error']}")
-    scaler.held = floor
+        shared_budget.join(scaler, [(d.key, d.label) for d in devices], committed=functools.partial(_held, limit))
     state = EngineCoreState.of(self)
     state.autoscaler = scaler
-    limit = _limit_of(self)
     logger.info(
         "KV cache autoscale on: limit %s per worker (the floor, %d of %d blocks), at most %s; %s returned to the "
         "OS before the next instance's start-up lock is granted (this instance's start-up peak was its whole "
@@ -380,6 +394,13 @@ def start_autoscaling(self: Any) -> None:
     else:  # in the caller's process: it steps only while the caller calls it
         state.lock = threading.RLock()
         wakeups.start_deciding(scaler, state.lock, functools.partial(_decide_between_calls, self))
+
+
+def _held(limit: RuntimeLimit) -> int:
+    """Blocks the workers may commit under ``limit`` once a release due
+    is tried (a failed one is tried again at the next call)."""
+    limit.release_if_due()
+    return max(limit.limit, limit.committed)
 
 
 def _decide_between_calls(engine_core: Any) -> None:

@@ -39,16 +39,25 @@ def give_plan(buffer: Any, plan: ChunkPlan) -> None:
 def unmap(buffer: Any, entries: list[tuple[int, int, int]]) -> None:
     """Unmap and release the ``(handle, offset, size)`` chunks of a buffer
     and forget them (its handles and mapped granules), as vLLM's
-    ``release_physical`` does for all of them."""
+    ``release_physical`` does for all of them. Each is forgotten once it is
+    unmapped, so that after a driver failure the buffer still names every
+    chunk mapped and a later call can return them; a handle unmapped but
+    not released is released first by the next call."""
     driver = buffer._driver
-    gone = set(entries)
-    buffer._handles = [entry for entry in buffer._handles if entry not in gone]
-    for handle, offset, size in entries:
+    unreleased: list[int] = buffer.__dict__.setdefault("_kvcl_unreleased", [])
+    while unreleased:
+        driver.release(unreleased[0])
+        unreleased.pop(0)
+    for entry in entries:
+        handle, offset, size = entry
+        driver.unmap(buffer.base_ptr + offset, size)
+        buffer._handles.remove(entry)
         buffer._mapped_granules.difference_update(
             range(offset // buffer.granularity, (offset + size) // buffer.granularity)
         )
-        driver.unmap(buffer.base_ptr + offset, size)
+        unreleased.append(handle)
         driver.release(handle)
+        unreleased.pop()
 
 
 def _in_chunks(original: Callable) -> Callable:

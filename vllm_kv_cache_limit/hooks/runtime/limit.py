@@ -126,6 +126,11 @@ class RuntimeLimit:
         if self.mode == "preempt":
             preempt_above(scheduler, self.limit)
 
+    def preempt(self, scheduler: Any) -> None:
+        """Preempt the running requests that still hold blocks above the
+        limit (a drain that must not wait for them to finish)."""
+        preempt_above(scheduler, self.limit)
+
     def grow(self) -> None:
         """Queue the withheld blocks below the limit again, and take back
         the pages of the blocks returned to the OS below it."""

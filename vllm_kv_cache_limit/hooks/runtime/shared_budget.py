@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vllm.logger import init_logger
@@ -29,13 +29,23 @@ LEDGER_WAIT_S = 30.0
 ``JOIN_TIMEOUT_S``): a peer's transaction holds them for milliseconds."""
 
 
-def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None = None) -> None:
+def join(
+    scaler: Autoscaler,
+    devices: list[tuple[str, str]],
+    folder: str | None = None,
+    committed: Callable[[], int] | None = None,
+) -> None:
     """Take this instance's place in every device's ledger, refusing a
     budget that differs from the others' or that cannot hold every floor,
-    and wait (bounded) until the others leave this instance its floor. No
-    wait is unbounded: a ledger lock another process keeps fails the join
-    within ``LEDGER_WAIT_S`` (and ``JOIN_TIMEOUT_S``), naming it and its
-    holder, so that the start-up lock this instance holds is released."""
+    and wait (bounded) until the others leave this instance its floor.
+    ``committed``: the blocks its workers hold now (read at each try):
+    its entry holds them from its first write, so that the ledger never
+    says less than the device holds, and the others, over the budget,
+    give back until it fits (None: the entry holds nothing until the
+    floor is free). No wait is unbounded: a ledger lock another process
+    keeps fails the join within ``LEDGER_WAIT_S`` (and ``JOIN_TIMEOUT_S``),
+    naming it and its holder, so that the start-up lock this instance holds
+    is released."""
     assert scaler.budget is not None
     folder = startup_lock.lock_dir() if folder is None else folder
     floor = scaler.floor * scaler.unit  # on each device, over this instance's workers there
@@ -52,10 +62,14 @@ def join(scaler: Autoscaler, devices: list[tuple[str, str]], folder: str | None 
                     scaler.budget, floor, scaler.others, devices, scaler.unit >= 2 * scaler.allocation.bytes_per_block
                 )
                 free = scaler.budget - max((sum(int(o["holds"]) for o in view.others) for view in views), default=0)
-                if free >= floor:
-                    scaler.held = scaler.floor
+                if committed is not None:
+                    scaler.held = max(scaler.floor, committed())
+                    fits = free >= scaler.held_blocks * scaler.unit
+                else:
+                    fits = free >= floor
+                    scaler.held = scaler.floor if fits else 0
                 scaler._write(views)
-            if scaler.held:
+            if fits:
                 return
             if time.monotonic() > deadline:
                 holders = ", ".join(f"{o.get('label')} ({format_size(int(o['holds']))})" for o in scaler.others)
@@ -126,29 +140,27 @@ def _check_others(
         )
 
 
-def leave(scaler: Autoscaler, lock: threading.RLock | None, wait_s: float) -> bool:
-    """Stop the autoscaler and leave its ledgers; whether it left them now.
-    An in-process engine core's timer may be deciding (vLLM's finalizer
-    calls shutdown without the client's lock, ``lock``): it starts no other
-    decision, and this one may end within ``wait_s``. One that does not
-    keeps its ledger's descriptors (it may still write through them), and
-    the timer closes them as it ends."""
+def stop(scaler: Autoscaler, lock: threading.RLock | None, wait_s: float) -> bool:
+    """Stop the autoscaler before the engine core shuts down; whether no
+    decision is in progress, so that the caller may leave its ledgers
+    (``scaler.close()``) once the workers' memory is gone: the entries go
+    after the memory they count, never before. An in-process engine core's
+    timer may be deciding (vLLM's finalizer calls shutdown without the
+    client's lock, ``lock``): it starts no other decision, and this one may
+    end within ``wait_s``. One that does not keeps its ledger's descriptors
+    (it may still write through them), and the timer closes them as it
+    ends."""
     scaler.stop.set()
     if lock is None:
-        scaler.close()
         return True
     if lock.acquire(timeout=wait_s):
-        try:
-            scaler.close()
-        finally:
-            lock.release()
+        lock.release()  # no decision starts after ``stop``
         return True
     scaler.close_when_stopped = True
     timer = scaler.timer
     if timer is not None:
         timer.join(timeout=0.5)
     if timer is None or not timer.is_alive():
-        scaler.close()
         return True
     logger.warning(
         "An autoscaling decision is still in progress after %g s; the engine core shuts down, and its shared "
