@@ -100,6 +100,7 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool, l
     ranges = limit_math.page_ranges(spans, mmap.PAGESIZE)
     if release:
         advice = release_advice(lazy)
+        resident = _resident_bytes(ranges)
         held = self_held_bytes() if lazy else rss_bytes()
         if advice == MADV_FREE and not _madvise_all(ranges, MADV_FREE, refused_ok=True):
             advice = MADV_DONTNEED  # no MADV_FREE here (before Linux 4.5, or not private anonymous memory)
@@ -110,21 +111,36 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool, l
             self._kvcl_rss_fall = held - self_held_bytes()
         else:
             self._kvcl_rss_fall = held - rss_bytes()
-        if advice == MADV_FREE:
-            logger.info(
-                "KV cache pages of blocks %d-%d released lazily: RSS less LazyFree fell by %d bytes.",
-                keep,
-                num_blocks - 1,
-                self._kvcl_rss_fall,
-            )
-        else:
-            logger.info(
-                "KV cache pages of blocks %d-%d released: RSS fell by %d bytes.",
-                keep,
-                num_blocks - 1,
-                self._kvcl_rss_fall,
-            )
+        # The range is address space; only its pages ever written are memory.
+        logger.info(
+            "KV cache pages of blocks %d-%d released%s: %s fell by %d bytes (a range of %d bytes, %d of them resident).",
+            keep,
+            num_blocks - 1,
+            " lazily" if advice == MADV_FREE else "",
+            "RSS less LazyFree" if lazy else "RSS",
+            self._kvcl_rss_fall,
+            sum(end - start for start, end in ranges),
+            resident,
+        )
     return sum(end - start for start, end in ranges)
+
+
+_RESIDENT_BIT = bytes(value & 1 for value in range(256))
+"""``mincore`` sets bit 0 of a page's byte when it is resident; the other bits are reserved."""
+
+
+def _resident_bytes(ranges: list[tuple[int, int]]) -> int:
+    """Bytes of the page ranges that are in memory (``mincore``): a KV cache
+    page is memory only once written. -1 where the kernel will not say."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+    pages = 0
+    for start, end in ranges:
+        vec = (ctypes.c_ubyte * ((end - start + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+        if libc.mincore(start, end - start, vec) != 0:
+            return -1
+        pages += bytes(vec).translate(_RESIDENT_BIT).count(1)
+    return pages * mmap.PAGESIZE
 
 
 def _madvise_all(ranges: list[tuple[int, int]], advice: int, refused_ok: bool = False) -> bool:
