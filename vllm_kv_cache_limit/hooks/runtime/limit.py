@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
 
+RELEASE_RETRY_S = 1.0
+"""Seconds before a release the workers failed is tried again."""
+
 Pages = Callable[[int, int, bool, bool], int]
 """The workers' pages of blocks ``keep..num_blocks-1``: returned to the OS
 (``release``; lazily with ``MADV_FREE`` when the last argument says so, else
@@ -59,6 +62,17 @@ class RuntimeLimit:
     holds; set by the last change (a shrink after idling)."""
     released_lazily: bool = False
     """The pages returned at this limit went back lazily."""
+    release_failed_at: float | None = None
+    """Monotonic time of the last release the workers failed (None: the
+    last one worked); it is tried again ``RELEASE_RETRY_S`` later."""
+
+    @property
+    def committed(self) -> int:
+        """Blocks whose memory the workers may still hold: all of them until
+        a release at a limit worked, then those below it. A release that
+        failed, wholly or in part, leaves it where it was: an upper bound,
+        which the shared budget's ledger holds at least (``autoscaler``)."""
+        return self.allocation.num_blocks if self.released_from is None else self.released_from
 
     @classmethod
     def of(cls, pool: Any) -> RuntimeLimit | None:
@@ -145,6 +159,9 @@ class RuntimeLimit:
                 try:
                     self.pages(self.released_from, num_blocks, True, False)
                 except Exception:
+                    # What stays mapped is not known: all of it counts as
+                    # committed until a release at the limit works.
+                    self.released_from = None
                     logger.exception("Returning the chunks mapped by a failed raise of the KV cache limit failed.")
                 raise
             self.released_from = self.limit if self.released_bytes else None
@@ -174,36 +191,53 @@ class RuntimeLimit:
         self.give_back()
         self.withhold(self.pool.blocks[self.limit :])
 
-    def release_due(self) -> bool:
+    def release_due(self, now: float | None = None) -> bool:
         """Whether every block above the limit is withheld (none is in use)
-        while their pages have not been returned at this limit yet."""
+        while their pages have not been returned at this limit yet (and a
+        failed release's retry is due)."""
         above = self.allocation.num_blocks - self.limit
-        return above > 0 and self.released_from != self.limit and len(self.withheld) == above
+        if above <= 0 or self.released_from == self.limit or len(self.withheld) != above:
+            return False
+        failed = self.release_failed_at
+        return failed is None or (time.monotonic() if now is None else now) - failed >= RELEASE_RETRY_S
 
-    def release_if_due(self) -> None:
+    def release_if_due(self, now: float | None = None) -> None:
         """Return the pages of the blocks above the limit to the OS (through
-        the workers) once none of them is in use; a failure is logged, never
-        raised into vLLM's step, and the pages then stay allocated."""
-        if not self.release_due():
+        the workers) once none of them is in use. A failure is logged (once
+        until a release works), never raised into vLLM's step; the pages
+        then count as allocated (``committed``) and the release is tried
+        again ``RELEASE_RETRY_S`` later."""
+        now = time.monotonic() if now is None else now
+        if not self.release_due(now):
             return
         num_blocks = self.allocation.num_blocks
-        self.released_lazily = self.lazy
         try:
-            self.released_bytes = self.pages(self.limit, num_blocks, True, self.lazy)
+            released = self.pages(self.limit, num_blocks, True, self.lazy)
         except Exception:
-            self.released_bytes = 0
-            logger.exception(
-                "Returning the KV cache pages of blocks %d-%d to the OS failed; they stay allocated.",
-                self.limit,
-                num_blocks - 1,
+            if self.release_failed_at is None:
+                logger.exception(
+                    "Returning the KV cache pages of blocks %d-%d to the OS failed; they count as allocated and "
+                    "it is tried again every %g s (logged once until it works).",
+                    self.limit,
+                    num_blocks - 1,
+                    RELEASE_RETRY_S,
+                )
+            self.release_failed_at = now
+            return
+        if self.release_failed_at is not None:
+            logger.info(
+                "Returning the KV cache pages of blocks %d-%d to the OS works again.", self.limit, num_blocks - 1
             )
+        self.release_failed_at = None
+        self.released_bytes, self.released_lazily = released, self.lazy
         self.released_from = self.limit
         logger.info(
-            "KV cache limit holds: %s of blocks %d-%d returned to the OS%s.",
-            format_size(self.released_bytes),
+            "KV cache limit holds: the pages of blocks %d-%d returned to the OS%s, a range of %s (each worker's "
+            "line says how much of it was resident: only pages ever written are memory).",
             self.limit,
             num_blocks - 1,
             " lazily (MADV_FREE: taken when the OS needs memory)" if self.released_lazily else "",
+            format_size(self.released_bytes),
         )
 
     def usage(self) -> tuple[int, int]:
