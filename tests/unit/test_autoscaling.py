@@ -193,9 +193,11 @@ def test_a_demand_held_above_the_ceiling_is_not_decided_again_before_the_tick() 
     for step in range(1, 9):
         tick(engine, scaler, 100.0 + step / 100)
     assert decided == [64], decided
-    # One more request raises the demand: decided at once.
+    # One more request raises the demand: the limit cannot grow past the ceiling, so it waits for the tick too.
     engine.requests["new"] = Request(num_tokens=5, num_prompt_tokens=5, max_tokens=500)
     tick(engine, scaler, 100.095)
+    assert decided == [64], decided
+    tick(engine, scaler, 100.11)
     assert decided == [64, 72], decided
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm_kv_cache_limit.hooks.runtime.demand import DemandReader, rose
 from vllm_kv_cache_limit.logic import autoscale_policy, limit_math
 from vllm_kv_cache_limit.logic.autoscale_policy import Hysteresis, Share
 from vllm_kv_cache_limit.logic.budget_ledger import Ledger, LedgerBusy, View
@@ -121,6 +122,7 @@ class Autoscaler:
     that needs what this one holds (``autoscale_policy.must_reclaim``)."""
     others: list[dict[str, Any]] = field(default_factory=list)
     last_tick: float = 0.0
+    reader: DemandReader = field(init=False)
     changes: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
     ledger_busy: Episode = field(default_factory=lambda: Episode())
@@ -133,6 +135,9 @@ class Autoscaler:
     """Set by a shutdown that could not wait for the timer's decision: the
     timer closes the ledgers once its decision ends."""
     _closing: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.reader = DemandReader(self.group_caps, self.max_model_len)
 
     @property
     def floor(self) -> int:
@@ -158,28 +163,25 @@ class Autoscaler:
         (its prompt and ``max_tokens``, at most ``max_model_len``), per KV
         cache group: an upper bound, so that a burst's limit grows as its
         requests arrive, not once they wait for blocks."""
-        total = 0
-        for request in scheduler.requests.values():
-            tokens = min(
-                self.max_model_len, max(request.num_tokens + 1, request.num_prompt_tokens + request.max_tokens)
-            )
-            for block_size, most in self.group_caps:
-                total += min(most, -(-tokens // block_size))
-        return total
+        return self.reader.read(scheduler)
 
     def tick(self, engine_core: Any, pool_limit: Any, now: float | None = None) -> None:
-        """One decision, at most every ``TICK_S`` unless the demand rose
-        above the limit since the last one (a grow is decided at once; a
-        demand held above the ceiling or the budget does not decide every
-        step); never raises into vLLM."""
+        """One decision, at most every ``TICK_S`` unless requests that
+        arrived raise the demand above the limit (a grow is decided at once);
+        never raises into vLLM. The whole demand is read once per decision;
+        between them only the arrivals (``DemandReader.may_rise``)."""
         now = time.monotonic() if now is None else now
         try:
-            demand = self.read_demand(engine_core.scheduler)
-            rose = demand > self.demand and demand + limit_math.NULL_BLOCKS > pool_limit.limit
-            if now - self.last_tick < TICK_S and not rose:
+            scheduler, reader, due = engine_core.scheduler, self.reader, now - self.last_tick >= TICK_S
+            if not due and not reader.may_rise(scheduler, self.demand, pool_limit.limit):
+                return
+            demand = self.read_demand(scheduler)
+            if not due and not rose(demand, self.demand, pool_limit.limit):
+                reader.wait_for_tick = True  # counted requests had finished: the rest waits for the tick
                 return
             self.last_tick = now
             self._tick(engine_core, pool_limit, now, demand)
+            reader.wait_for_tick = demand + limit_math.NULL_BLOCKS > pool_limit.limit  # could not grow to it
         except Exception:
             if self.failing.begin(now):
                 logger.exception(
