@@ -333,10 +333,10 @@ def test_a_failure_leaving_the_ledger_does_not_stop_vllms_shutdown(caplog: pytes
     from vllm_kv_cache_limit.hooks.runtime.engine_core import _leave_budget_first
 
     class Broken:
-        def close(self) -> None:
-            raise OSError("the ledger folder is gone")
         stop = threading.Event()
 
+        def close(self) -> None:
+            raise OSError("the ledger folder is gone")
 
     core = type("Core", (), {})()
     EngineCoreState.of(core).autoscaler = Broken()

@@ -147,15 +147,17 @@ def grant(me: Share, others: list[Share], budget: int) -> int:
 
 def give_back(me: Share, others: list[Share], budget: int) -> int | None:
     """The hold ``me`` should lower to now because others need the budget
-    (None: none). Only when the budget is used and another instance wishes
-    for more than it holds; ``me`` keeps its entitlement."""
+    (None: none). Only when another instance wishes for more than it holds
+    and the budget has not that much free, or the holds add up to more than
+    the budget (a starting instance holds what it committed before it could
+    join); ``me`` keeps its entitlement."""
     free = budget - me.holds - sum(o.holds for o in others)
     needy = sum(max(0, o.wants - o.holds) for o in others)
-    if needy <= max(0, free):
+    if needy <= free:
         return None
     keep = max(me.floor, min(me.holds, entitlement(me, others, budget)))
-    # Give no more than the others need beyond what is free.
-    keep = max(keep, me.holds - (needy - max(0, free)))
+    # Give no more than the others need beyond what is free (what is over the budget counts as needed).
+    keep = max(keep, me.holds - (needy - free))
     return keep if keep < me.holds else None
 
 

@@ -112,8 +112,10 @@ class Autoscaler:
     several devices counts once (labels are for people: two containers of
     one pod can share a host name and a pid)."""
     held: int = 0
-    """Blocks this instance's ledger entry holds (its limit, or while a
-    lowered limit drains, the one it had)."""
+    """Blocks this instance's ledger entry holds: its limit, or while a
+    lowered limit drains or its memory is not yet returned, what the
+    workers may still commit (``RuntimeLimit.committed``); in the ledger as
+    whole chunks (``held_blocks``)."""
     demand: int = 0
     lowered_at: float | None = None
     """When a lowered limit began to drain (None: it has drained)."""
@@ -147,6 +149,12 @@ class Autoscaler:
     def unit(self) -> int:
         """Bytes of the ledger per block of the limit (``device_bytes_per_block``)."""
         return self.device_bytes_per_block or self.allocation.bytes_per_block
+
+    @property
+    def held_blocks(self) -> int:
+        """``held`` in the whole chunks the workers commit: a limit inside a
+        chunk (a manual ceiling) keeps that chunk mapped, so it counts."""
+        return self.allocation.whole_chunks(self.held, up=True)
 
     @property
     def target(self) -> int:
@@ -196,7 +204,10 @@ class Autoscaler:
         limit = state.limit
         self.demand = demand
         new = self.hysteresis.decide(now, demand, limit, self.ceiling)
+        # Drained: what is held falls to what the workers still commit
+        # (their memory above the limit may not be returned yet).
         drained = len(state.withheld) == self.allocation.num_blocks - limit
+        settled = max(limit, getattr(state, "committed", limit)) if drained else None
         if new is None:
             reason = ""
         elif new > limit:
@@ -216,7 +227,7 @@ class Autoscaler:
             new = new if new > limit else None
         held = self.held
         if self.budget is not None:
-            new, gave = self._within_budget(limit, new, drained, now)
+            new, gave = self._within_budget(limit, new, settled, now)
             if gave:
                 reason = "another instance needs the shared budget"
         if drained:
@@ -296,7 +307,7 @@ class Autoscaler:
         return me, [Share(int(o["holds"]), int(o["wants"]), int(o["floor"])) for o in self.others]
 
     def _within_budget(
-        self, limit: int, new: int | None, drained: bool, now: float | None = None
+        self, limit: int, new: int | None, settled: int | None, now: float | None = None
     ) -> tuple[int | None, bool]:
         """``new`` bounded by the ledger, and a give-back when others need
         the budget; writes this instance's entry. When another process holds
@@ -305,7 +316,7 @@ class Autoscaler:
         assert self.budget is not None
         now = time.monotonic() if now is None else now
         try:
-            decided = self._decide_within_budget(limit, new, drained)
+            decided = self._decide_within_budget(limit, new, settled)
         except LedgerBusy as exc:
             busy = self.ledger_busy
             busy.begin(now)
@@ -330,14 +341,16 @@ class Autoscaler:
             )
         return decided
 
-    def _decide_within_budget(self, limit: int, new: int | None, drained: bool) -> tuple[int | None, bool]:
+    def _decide_within_budget(self, limit: int, new: int | None, settled: int | None) -> tuple[int | None, bool]:
+        """``settled``: what the workers may still commit once a lowered
+        limit has drained (None: it has not), which the entry falls to."""
         assert self.budget is not None
         unit = self.unit
         with self.transaction(wait=False) as views:
             self.others = others_in(views)
-            if drained:
-                self.held = limit
-            me, others = self._shares(self.held)
+            if settled is not None:
+                self.held = settled
+            me, others = self._shares(self.held_blocks)
             chunk = self.allocation.blocks_per_chunk * unit
             self.reclaim = autoscale_policy.must_reclaim(me, others, self.budget, chunk)
             if new is not None and new > limit:
@@ -371,7 +384,7 @@ class Autoscaler:
             "instance": self.instance,
             "budget": self.budget,
             "floor": self.floor * unit,
-            "holds": self.held * unit,
+            "holds": self.held_blocks * unit,
             "wants": self.wants * unit,
         }
         for view in views:
@@ -387,7 +400,7 @@ class Autoscaler:
             "target_bytes": self.target * bpb,
             "changes": self.changes,
             "shared_budget": self.budget,
-            "held_bytes": self.held * self.unit if self.budget is not None else None,
+            "held_bytes": self.held_blocks * self.unit if self.budget is not None else None,
             "devices": list(self.devices) if self.budget is not None else None,
             "others": [{k: o.get(k) for k in ("label", "holds", "wants", "floor")} for o in self.others],
             "ledger_locked_s": self.ledger_busy.seconds(time.monotonic()),
