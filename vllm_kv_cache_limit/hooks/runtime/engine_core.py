@@ -375,8 +375,9 @@ def start_autoscaling(self: Any) -> None:
     state = EngineCoreState.of(self)
     state.autoscaler = scaler
     logger.info(
-        "KV cache autoscale on: limit %s per worker (the floor, %d of %d blocks), at most %s; %s returned to the "
-        "OS before the next instance's start-up lock is granted (this instance's start-up peak was its whole "
+        "KV cache autoscale on: limit %s per worker (the floor, %d of %d blocks), at most %s; a range of %s (the "
+        "blocks above the floor) returned to the OS before the next instance's start-up lock is granted "
+        "(this instance's start-up peak was its whole "
         "allocation, %s)%s.",
         format_size(floor * bpb),
         floor,
