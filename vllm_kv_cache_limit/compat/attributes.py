@@ -359,7 +359,21 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         ("vllm.config.kv_transfer",),
         "KVTransferConfig",
         "kv_connector_extra_config",
-        "`hooks.runtime.extensible_kv_cache.refusal`: SimpleCPUOffloadConnector's lazy_offload reads free blocks",
+        "`hooks.runtime.kv_connectors.reads_freed_blocks`: SimpleCPUOffloadConnector's lazy_offload reads free blocks",
+        versions=">=0.34",
+    ),
+    Attribute(
+        ("vllm.config.kv_transfer",),
+        "KVTransferConfig",
+        "kv_connector",
+        "`hooks.runtime.kv_connectors.reads_freed_blocks`: the connector, or MultiConnector, that may copy freed blocks",
+        versions=">=0.34",
+    ),
+    Attribute(
+        ("vllm.config.kv_transfer",),
+        "KVTransferConfig",
+        "kv_connector_module_path",
+        "`hooks.runtime.kv_connectors.reads_freed_blocks`: a connector from outside vLLM is not audited",
         versions=">=0.34",
     ),
     Attribute(

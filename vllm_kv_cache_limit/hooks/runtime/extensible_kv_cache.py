@@ -14,7 +14,7 @@ from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
-from vllm_kv_cache_limit.hooks.runtime import extensible_tensor
+from vllm_kv_cache_limit.hooks.runtime import extensible_tensor, kv_connectors
 from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, optional
 from vllm_kv_cache_limit.hooks.wrap import wrap
 from vllm_kv_cache_limit.logic.errors import KVCacheResizeError
@@ -61,19 +61,12 @@ def refusal(vllm_config: Any) -> str | None:
             f"the KV connector {getattr(transfer, 'kv_connector', None)!r} registers the KV cache's memory "
             "for RDMA, which needs each segment mapped as one allocation"
         )
-    if transfer is not None and transfer.has_connector("SimpleCPUOffloadConnector") and _lazy_offload(transfer):
-        return "SimpleCPUOffloadConnector with lazy_offload copies cached blocks from the free queue"
+    if (freed := kv_connectors.reads_freed_blocks(transfer)) is not None:
+        return freed
     attention = getattr(vllm_config, "attention_config", None)
     if getattr(attention, "hisparse_config", None) is not None:
         return "HiSparse attention reads unpinned blocks after they are freed"
     return None
-
-
-def _lazy_offload(transfer: Any) -> bool:
-    """Whether a SimpleCPUOffloadConnector (alone or in a MultiConnector) offloads lazily."""
-    configs = [transfer.kv_connector_extra_config or {}]
-    configs += [c for c in configs[0].get("connectors", []) if isinstance(c, dict)]
-    return any(c.get("lazy_offload") or (c.get("kv_connector_extra_config") or {}).get("lazy_offload") for c in configs)
 
 
 def _remember_measured(original: Callable) -> Callable:
