@@ -113,6 +113,27 @@ def _train_tokenizer(out: Path) -> Any:
     return fast
 
 
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+"""A plain chat template, so that ``/v1/chat/completions`` works on the tiny
+model (vLLM refuses chat without one); the answer is gibberish all the same."""
+
+
+def _ensure_chat_template(out: Path) -> None:
+    """Give the tokenizer in ``out`` the chat template where it has none
+    (also a model built before it existed), written atomically."""
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("chat_template") or (out / "chat_template.jinja").exists():
+        return
+    config["chat_template"] = CHAT_TEMPLATE
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(config, indent=2))
+    os.replace(partial, path)
+
+
 REPO_MODEL_DIR = Path("models") / "tiny-llama"
 """Where the repository keeps the tiny Llama, relative to its root: ``make
 serve``, the tests and the benchmarks build and use it there."""
@@ -126,6 +147,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str], arch: str = "llama", **ove
     out = Path(out_dir)
     marker = out / ".complete"
     if marker.exists():
+        _ensure_chat_template(out)
         return out
     out.mkdir(parents=True, exist_ok=True)
 
@@ -134,6 +156,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str], arch: str = "llama", **ove
 
     config_name, model_name, extra = ARCHITECTURES[arch]
     tokenizer = _train_tokenizer(out)
+    _ensure_chat_template(out)
     params = {**_COMMON, **extra, **overrides}
     params.update(
         vocab_size=len(tokenizer),

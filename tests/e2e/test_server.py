@@ -31,6 +31,19 @@ def test_server_answers_a_completion(server) -> None:
     assert reply.json()["choices"][0]["text"]
 
 
+def test_server_answers_a_chat_completion(server) -> None:
+    """The tiny model has a chat template (``tests/tiny_model.py``), so chat
+    works on it as README's first steps show."""
+    base, _ = server
+    reply = requests.post(
+        f"{base}/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "temperature": 0},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"]
+
+
 @pytest.mark.smoke
 def test_metrics_show_the_cap_and_blocks_within_it(server) -> None:
     base, log_path = server
