@@ -1,6 +1,6 @@
 """``vllm-kv-top``: what every capped instance on this host holds, live.
 
-Reads the instances' entries in the lock folder (``logic.announce``) and
+Reads the instances' entries in the lock folder (``logic.instance_entries``) and
 each server's ``GET /kv_cache/max_memory``, and shows them grouped by
 device (``logic.kv_top``), refreshed every second; ``--once`` prints one
 screen, ``--json`` one JSON document. No vLLM import: it starts in a
@@ -25,7 +25,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vllm_kv_cache_limit.logic import announce, kv_top
+from vllm_kv_cache_limit.logic import instance_entries, kv_top
 from vllm_kv_cache_limit.logic.startup_lock import LOCK_DIR_ENV, lock_dir
 
 PROG = "vllm-kv-top"
@@ -145,8 +145,8 @@ def gather(folder: str, api_key: str | None, timeout: float, uid: int | None = N
     (this process's by default) owns."""
     uid = os.getuid() if uid is None else uid
     try:
-        entries = announce.read(folder)
-    except announce.FolderMissing:
+        entries = instance_entries.read(folder)
+    except instance_entries.FolderMissing:
         raise Failure(
             f"the lock folder {folder!r} does not exist, so no capped instance runs with it. Give the folder the "
             f"servers use: --lock-dir PATH (their {LOCK_DIR_ENV}; by default {lock_dir()})."

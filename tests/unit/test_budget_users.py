@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from vllm_kv_cache_limit.logic import announce
+from vllm_kv_cache_limit.logic import instance_entries
 from vllm_kv_cache_limit.logic.budget_ledger import ENTRY_SUFFIX, LEDGER_LOCK, Ledger, folder_name
 
 KEY = "cpu-node0"
@@ -100,14 +100,14 @@ def join(folder: Path, label: str, holds: int) -> Callable[[], Any]:
 
 def test_users_with_umask_077_read_each_others_entries(locks: Path) -> None:
     mine = Ledger(str(locks), KEY, label="root's instance")
-    shown = announce.Announcement(str(locks), announce.record([(KEY, "node 0")], "model", cap=1 << 20))
+    shown = instance_entries.Announcement(str(locks), instance_entries.record([(KEY, "node 0")], "model", cap=1 << 20))
     try:
         with mine.transaction() as view:
             view.write({"instance": "root", "budget": 1000, "floor": 1, "holds": 10, "wants": 10})
         folder = locks / folder_name(KEY)
         modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
         assert modes == {mine.entry_name: 0o644, LEDGER_LOCK: 0o666}, modes
-        assert stat.S_IMODE((locks / announce.FOLDER / shown.name).stat().st_mode) == 0o644
+        assert stat.S_IMODE((locks / instance_entries.FOLDER / shown.name).stat().st_mode) == 0o644
         first = Child(NOBODY, join(locks, "nobody's instance", 20), hold=True)
         try:
             assert first.reply() == {"ok": ["root's instance"]}
@@ -127,7 +127,7 @@ def test_users_with_umask_077_read_each_others_entries(locks: Path) -> None:
             first.finish()
 
         def top() -> list[Any]:  # what vllm-kv-top reads
-            return [(e.record or {}).get("pid") or e.problem for e in announce.read(str(locks))]
+            return [(e.record or {}).get("pid") or e.problem for e in instance_entries.read(str(locks))]
 
         listed = Child(NOBODY, top)
         try:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from vllm_kv_cache_limit.logic import announce, kv_top
+from vllm_kv_cache_limit.logic import instance_entries, kv_top
 
 pytestmark = pytest.mark.unit
 
@@ -43,9 +43,9 @@ def status(limit: int, held: int | None = None, demand: int = 0) -> dict[str, An
     return reply
 
 
-def live(name: str, **fields: Any) -> announce.Entry:
-    record = {**announce.record([NODE], "tiny", 48 * MiB), "pid": 100 + len(name), **fields}
-    return announce.Entry(name, record=record)
+def live(name: str, **fields: Any) -> instance_entries.Entry:
+    record = {**instance_entries.record([NODE], "tiny", 48 * MiB), "pid": 100 + len(name), **fields}
+    return instance_entries.Entry(name, record=record)
 
 
 def test_document_groups_by_device_with_the_budget_held() -> None:
@@ -54,7 +54,7 @@ def test_document_groups_by_device_with_the_budget_held() -> None:
         live("b.entry", autoscale=True, budget=40 * MiB, floor=2 * MiB, status_url="http://h/b"),
         live("c.entry", cap=32 * MiB, status_url="http://h/c"),
         live("d.entry", cap=16 * MiB, devices=[{"key": "cpu-node1", "label": "node 1"}]),
-        announce.Entry("bad.entry", problem="is no instance entry (not JSON); remove it"),
+        instance_entries.Entry("bad.entry", problem="is no instance entry (not JSON); remove it"),
     ]
     statuses = {
         "a.entry": (status(30 * MiB, 30 * MiB, 250), None),
@@ -163,12 +163,12 @@ def announced(tmp_path: Path, status_server: str) -> Iterator[dict[str, Any]]:
     """Three live entries: one autoscaled whose server answers (with the
     key), one whose server does not answer, one without a server."""
     held = [
-        announce.Announcement(
+        instance_entries.Announcement(
             str(tmp_path),
-            announce.record([NODE], "tiny", 48 * MiB, 2 * MiB, True, 40 * MiB, status_server),
+            instance_entries.record([NODE], "tiny", 48 * MiB, 2 * MiB, True, 40 * MiB, status_server),
         ),
-        announce.Announcement(str(tmp_path), announce.record([NODE], "tiny", 32 * MiB, status_url=closed_port_url())),
-        announce.Announcement(str(tmp_path), announce.record([NODE], "other", 16 * MiB)),
+        instance_entries.Announcement(str(tmp_path), instance_entries.record([NODE], "tiny", 32 * MiB, status_url=closed_port_url())),
+        instance_entries.Announcement(str(tmp_path), instance_entries.record([NODE], "other", 16 * MiB)),
     ]
     try:
         yield {"folder": tmp_path, "names": [a.name for a in held]}
@@ -204,7 +204,7 @@ def test_json_reads_each_status_with_the_key(announced: dict[str, Any]) -> None:
 
 def test_once_marks_what_it_could_not_read_without_colour_off_a_terminal(announced: dict[str, Any]) -> None:
     folder = announced["folder"]
-    (folder / announce.FOLDER / "garbage.entry").write_text("{oops")
+    (folder / instance_entries.FOLDER / "garbage.entry").write_text("{oops")
     result = top("--once", "--lock-dir", str(folder), "--api-key", KEY)
     assert result.returncode == 0, result.stderr
     out = result.stdout

@@ -20,7 +20,7 @@ import pytest
 
 from tests.unit.test_kv_top import KEY, NODE, MiB, closed_port_url, live, status, top
 from vllm_kv_cache_limit import top as kv_top_cli
-from vllm_kv_cache_limit.logic import announce, kv_top
+from vllm_kv_cache_limit.logic import instance_entries, kv_top
 
 pytestmark = pytest.mark.unit
 
@@ -80,12 +80,12 @@ def servers() -> Iterator[list[Recorder]]:
         server.close()
 
 
-def announced(folder: Path, *records: dict[str, Any]) -> list[announce.Announcement]:
-    return [announce.Announcement(str(folder), r) for r in records]
+def announced(folder: Path, *records: dict[str, Any]) -> list[instance_entries.Announcement]:
+    return [instance_entries.Announcement(str(folder), r) for r in records]
 
 
 def entry(url: str | None, **fields: Any) -> dict[str, Any]:
-    return {**announce.record([NODE], "tiny", 48 * MiB, status_url=url), **fields}
+    return {**instance_entries.record([NODE], "tiny", 48 * MiB, status_url=url), **fields}
 
 
 def test_the_key_rule() -> None:
@@ -122,7 +122,7 @@ def test_the_key_goes_only_to_loopback_entries_of_this_user(
     monkeypatch.delenv("NO_PROXY", raising=False)
     held = announced(tmp_path, entry(good.url()), entry(good.url("/redirect")))
     try:
-        assert all(os.stat(tmp_path / announce.FOLDER / a.name).st_uid == os.getuid() for a in held)
+        assert all(os.stat(tmp_path / instance_entries.FOLDER / a.name).st_uid == os.getuid() for a in held)
         doc = kv_top_cli.gather(str(tmp_path), KEY, 5.0)
         rows = {r["entry"]: r for g in doc["devices"] for r in g["instances"]}
         assert rows[held[0].name]["status"] == "read" and good.keys() == [f"Bearer {KEY}"]
@@ -209,7 +209,7 @@ def test_control_characters_from_entries_and_replies_never_reach_the_terminal(
         record = entry(url)
     held = announced(tmp_path, record)
     if where == "file name":
-        (tmp_path / announce.FOLDER / "x\x1b]0;TITLE\x07.entry").write_text("{oops")
+        (tmp_path / instance_entries.FOLDER / "x\x1b]0;TITLE\x07.entry").write_text("{oops")
     try:
         result = top("--once", "--lock-dir", str(tmp_path), "--api-key", KEY, columns=columns)
         assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr

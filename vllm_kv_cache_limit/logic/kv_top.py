@@ -1,5 +1,5 @@
 """``vllm-kv-top``'s figures, without a terminal: the instances announced in
-the lock folder (``announce``) and their servers' status replies, grouped by
+the lock folder (``instance_entries``) and their servers' status replies, grouped by
 device into one document (what ``--json`` prints and the screen shows).
 Everything in an entry or a reply is untrusted (any local user may write an
 entry): figures that are no byte counts are unknown, strings are made
@@ -15,7 +15,7 @@ import unicodedata
 import urllib.parse
 from typing import Any
 
-from vllm_kv_cache_limit.logic.announce import Entry, label
+from vllm_kv_cache_limit.logic.instance_entries import Entry, label
 from vllm_kv_cache_limit.logic.sizes import format_size
 
 Status = tuple[dict[str, Any] | None, str | None]

@@ -15,7 +15,7 @@ from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
 from vllm_kv_cache_limit.hooks.apply import hook_ok, name_cap_when_refused
 from vllm_kv_cache_limit.hooks.devices import instance_devices
-from vllm_kv_cache_limit.hooks.runtime import announcing
+from vllm_kv_cache_limit.hooks.runtime import engine_entry
 from vllm_kv_cache_limit.hooks.wrap import wrap
 from vllm_kv_cache_limit.logic import startup_lock
 from vllm_kv_cache_limit.logic.cap_decision import (
@@ -73,7 +73,7 @@ def _hold_startup_lock(original: Callable) -> Callable:
             original(self, vllm_config, *args, **kwargs)
             _start_at_committed(self)
             _start_autoscaling(self, vllm_config)
-            announcing.start(self, vllm_config)
+            engine_entry.start(self, vllm_config)
 
         try:
             if not startup_lock.enabled():

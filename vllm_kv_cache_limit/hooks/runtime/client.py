@@ -157,7 +157,7 @@ async def async_kv_cache_limit_status(engine: Any) -> dict[str, Any]:
 
 async def async_announce_status_url(engine: Any, url: str) -> None:
     """Tell every engine core of an ``AsyncLLM`` where its status is read
-    (written into its entry in the lock folder, ``hooks.runtime.announcing``)."""
+    (written into its entry in the lock folder, ``hooks.runtime.engine_entry``)."""
     client = _client(engine)
     engines = list(getattr(client, "core_engines", None) or [])
     if len(engines) < 2:

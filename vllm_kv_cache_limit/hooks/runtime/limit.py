@@ -26,7 +26,7 @@ from vllm_kv_cache_limit.logic.sizes import format_size
 
 if TYPE_CHECKING:
     from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
-    from vllm_kv_cache_limit.logic.announce import Announcement
+    from vllm_kv_cache_limit.logic.instance_entries import Announcement
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -302,7 +302,7 @@ class EngineCoreState:
     client makes into it (``hooks.runtime.client``) and by a decision its
     timer takes (``autoscaler.start_deciding``)."""
     announcement: Announcement | None = None
-    """With a cap: this engine core's entry in the lock folder (``hooks.announcing``)."""
+    """With a cap: this engine core's entry in the lock folder (``hooks.engine_entry``)."""
 
     @classmethod
     def of(cls, engine_core: Any) -> EngineCoreState:

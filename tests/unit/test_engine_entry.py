@@ -1,4 +1,4 @@
-"""The vLLM glue of the announcements (``hooks.runtime.announcing``) and the
+"""The vLLM glue of the announcements (``hooks.runtime.engine_entry``) and the
 server's part (``hooks.runtime.server``) without an engine: a capped engine
 core's entry (static and autoscaled), the status URL written into it, the
 entry removed before vLLM's shutdown, none without a cap, and the gauges
@@ -14,10 +14,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_kv_cache_limit.hooks.runtime import announcing, server  # noqa: E402
+from vllm_kv_cache_limit.hooks.runtime import engine_entry, server  # noqa: E402
 from vllm_kv_cache_limit.hooks.runtime.engine_core import _leave_budget_first  # noqa: E402
 from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState  # noqa: E402
-from vllm_kv_cache_limit.logic import announce  # noqa: E402
+from vllm_kv_cache_limit.logic import instance_entries  # noqa: E402
 from vllm_kv_cache_limit.logic.limit_math import Allocation  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -35,21 +35,21 @@ def config(cap: int | None) -> Any:
 
 @pytest.fixture(autouse=True)
 def _devices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(announcing, "instance_devices", lambda vllm_config: ([DEVICE], 1))
+    monkeypatch.setattr(engine_entry, "instance_devices", lambda vllm_config: ([DEVICE], 1))
 
 
 def test_a_static_cap_is_announced_and_removed_before_vllms_shutdown(tmp_path: Path) -> None:
     core = type("Core", (), {})()
-    announcing.start(core, config(32 * MiB), str(tmp_path))
-    (found,) = announce.read(str(tmp_path))
+    engine_entry.start(core, config(32 * MiB), str(tmp_path))
+    (found,) = instance_entries.read(str(tmp_path))
     assert found.record is not None
     assert (found.record["cap"], found.record["floor"], found.record["autoscale"]) == (32 * MiB, None, False)
     assert found.record["model"] == "tiny" and found.record["devices"][0]["key"] == "cpu-node0"
-    assert announcing.set_status_url(core, "http://127.0.0.1:8000/kv_cache/max_memory") == {"announced": True}
-    (found,) = announce.read(str(tmp_path))
+    assert engine_entry.set_status_url(core, "http://127.0.0.1:8000/kv_cache/max_memory") == {"announced": True}
+    (found,) = instance_entries.read(str(tmp_path))
     assert found.record is not None and found.record["status_url"] == "http://127.0.0.1:8000/kv_cache/max_memory"
     seen_by_vllm: list[int] = []
-    assert _leave_budget_first(lambda c: seen_by_vllm.append(len(announce.read(str(tmp_path)))))(core) is None
+    assert _leave_budget_first(lambda c: seen_by_vllm.append(len(instance_entries.read(str(tmp_path)))))(core) is None
     assert seen_by_vllm == [0] and EngineCoreState.of(core).announcement is None
 
 
@@ -58,9 +58,9 @@ def test_an_autoscaled_instance_announces_its_floor_and_budget(tmp_path: Path) -
     allocation = Allocation(num_blocks=384, bytes_per_block=128 * 1024, blocks_per_request=16, max_model_len=2048)
     scaler = SimpleNamespace(allocation=allocation, floor=17, budget=40 * MiB)
     EngineCoreState.of(core).autoscaler = scaler  # type: ignore[assignment]
-    announcing.start(core, config(48 * MiB), str(tmp_path))
+    engine_entry.start(core, config(48 * MiB), str(tmp_path))
     try:
-        (found,) = announce.read(str(tmp_path))
+        (found,) = instance_entries.read(str(tmp_path))
         assert found.record is not None
         assert (found.record["floor"], found.record["budget"], found.record["autoscale"]) == (
             17 * 128 * 1024,
@@ -68,16 +68,16 @@ def test_an_autoscaled_instance_announces_its_floor_and_budget(tmp_path: Path) -
             True,
         )
     finally:
-        announcing.stop(core)
+        engine_entry.stop(core)
 
 
 def test_no_cap_no_entry_and_a_failure_only_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     core = type("Core", (), {})()
-    announcing.start(core, config(None), str(tmp_path))
-    assert not (tmp_path / announce.FOLDER).exists()
-    assert announcing.set_status_url(core, "http://x") == {"announced": False}
+    engine_entry.start(core, config(None), str(tmp_path))
+    assert not (tmp_path / instance_entries.FOLDER).exists()
+    assert engine_entry.set_status_url(core, "http://x") == {"announced": False}
     (tmp_path / "file").write_text("")
-    announcing.start(core, config(MiB), str(tmp_path / "file"))  # a lock folder that is a file
+    engine_entry.start(core, config(MiB), str(tmp_path / "file"))  # a lock folder that is a file
     assert EngineCoreState.of(core).announcement is None
     assert "not listed for vllm-kv-top" in caplog.text
 

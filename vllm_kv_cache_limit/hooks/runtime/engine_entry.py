@@ -1,5 +1,5 @@
 """An engine core started with a cap announces itself in the lock folder
-(``logic.announce``) once its KV cache is allocated, until it shuts down or
+(``logic.instance_entries``) once its KV cache is allocated, until it shuts down or
 dies; its server tells it where its status can be read. The announcement
 is kept on the engine core's ``EngineCoreState``.
 """
@@ -13,7 +13,7 @@ from vllm.logger import init_logger
 from vllm_kv_cache_limit.config import cap_of
 from vllm_kv_cache_limit.hooks.devices import instance_devices
 from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState
-from vllm_kv_cache_limit.logic import announce, startup_lock
+from vllm_kv_cache_limit.logic import instance_entries, startup_lock
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -38,7 +38,7 @@ def start(engine_core: Any, vllm_config: Any, folder: str | None = None) -> None
         scaler = state.autoscaler
         devices, _ = instance_devices(vllm_config)
         bpb = scaler.allocation.bytes_per_block if scaler is not None else 0
-        entry = announce.record(
+        entry = instance_entries.record(
             [(d.key, d.label) for d in devices],
             model_name(vllm_config.model_config),
             cap,
@@ -46,7 +46,7 @@ def start(engine_core: Any, vllm_config: Any, folder: str | None = None) -> None
             autoscale=scaler is not None,
             budget=None if scaler is None else scaler.budget,
         )
-        state.announcement = announce.Announcement(startup_lock.lock_dir() if folder is None else folder, entry)
+        state.announcement = instance_entries.Announcement(startup_lock.lock_dir() if folder is None else folder, entry)
     except Exception as exc:
         logger.warning("This instance is not listed for vllm-kv-top: its entry in the lock folder failed (%s).", exc)
 
