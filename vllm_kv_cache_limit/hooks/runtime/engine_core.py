@@ -14,9 +14,9 @@ from vllm.logger import init_logger
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.hooks.devices import instance_devices
 from vllm_kv_cache_limit.hooks.runtime import (
-    announcing,
     autoscaler,
     committable,
+    engine_entry,
     extensible_kv_cache,
     shared_budget,
     wakeups,
@@ -48,7 +48,7 @@ def patch(module: Any) -> None:
     def apply() -> None:
         module.EngineCore.kv_cache_limit_set = _kv_cache_limit_set
         module.EngineCore.kv_cache_limit_status = _kv_cache_limit_status
-        module.EngineCore.kv_cache_limit_announce = announcing.set_status_url
+        module.EngineCore.kv_cache_limit_announce = engine_entry.set_status_url
 
     optional(ENGINE_CORE, apply)
     for hook in (ENGINE_CORE_STEP, ENGINE_CORE_STEP_WITH_BATCH_QUEUE, ENGINE_CORE_ABORT_REQUESTS):
@@ -117,13 +117,13 @@ def _leave_budget_first(original: Callable) -> Callable:
     its share of the shared budget, until that process exits; a clean exit
     would leave its entry file for the next reader to remove. How: wraps
     ``EngineCore.shutdown`` to remove the engine core's announcement
-    (``hooks.announcing``) and stop the autoscaler before the original tears
+    (``hooks.engine_entry``) and stop the autoscaler before the original tears
     the engine down, and its ledger entries after, once the workers' memory
     they count is gone. Without either the original runs alone."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            announcing.stop(self)
+            engine_entry.stop(self)
         except Exception:  # never in the way of vLLM's own shutdown
             logger.exception("Removing this instance's entry from the lock folder failed; the process exit drops it.")
         state = EngineCoreState.peek(self)
