@@ -35,7 +35,8 @@ class KVCacheLimitConfig:
     starts beside other processes in any order; capped instances take a
     start-up lock per device so that their memory measurements never overlap.
 
-    Start-up fails with a clear error when the cap is above the device's total
+    Start-up fails with a clear error when the cap is below one KV cache
+    block of any model (`8 G` unquoted: write `8G`), above the device's total
     memory, when the cap plus the model's weights cannot fit in the free memory
     (both before weights load), when the cap is above what the device can still
     give this instance after profiling, or when it is too small for one request
