@@ -43,7 +43,7 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from vllm_kv_cache_limit.hooks.runtime import engine_core, shared_budget  # noqa: E402
+from vllm_kv_cache_limit.hooks.runtime import shared_budget, utility_methods  # noqa: E402
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler  # noqa: E402
 from vllm_kv_cache_limit.hooks.runtime.limit import RuntimeLimit  # noqa: E402
 from vllm_kv_cache_limit.logic.autoscale_policy import Hysteresis, Policy  # noqa: E402
@@ -170,20 +170,20 @@ def _instance(model: str, folder: Path) -> Instance:
     """An autoscaled engine core in the budget's ledger, at its floor, as
     ``start_autoscaling`` starts one (its decisions are the test's)."""
     core = _engine_core(model)
-    allocation = engine_core.allocation_of(core)
+    allocation = utility_methods.allocation_of(core)
     floor = allocation.blocks_per_request + 1
     scaler = Autoscaler(
         allocation=allocation,
         hysteresis=Hysteresis(Policy(floor, allocation.blocks_per_request, shrink_after_s=30.0)),
         ceiling=allocation.num_blocks,
-        set_limit=functools.partial(engine_core._set_limit, log=False),
+        set_limit=functools.partial(utility_methods.set_limit, log=False),
         group_caps=[(BLOCK_SIZE, MAX_MODEL_LEN // BLOCK_SIZE)],
         max_model_len=MAX_MODEL_LEN,
         budget=BUDGET_BLOCKS * BPB,
         device_bytes_per_block=BPB,
     )
     shared_budget.join(scaler, [("cpu-node0", "host memory node 0")], str(folder))
-    engine_core._set_limit(core, floor * BPB, "drain", log=False)
+    utility_methods.set_limit(core, floor * BPB, "drain", log=False)
     scaler.held = floor
     return Instance(core, scaler)
 

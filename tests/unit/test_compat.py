@@ -757,7 +757,7 @@ def test_resize_refuses_naming_a_missing_attribute(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(compat.attributes, "RESIZE_ATTRIBUTES", (*compat.RESIZE_ATTRIBUTES, gone))
     monkeypatch.setattr(hooks.runtime.availability, "unavailable", {})
     monkeypatch.setattr(hooks.runtime.availability, "_called_checked", False)
-    reply = hooks.runtime.engine_core._kv_cache_limit_status(SimpleNamespace())
+    reply = hooks.runtime.utility_methods.kv_cache_limit_status(SimpleNamespace())
     assert reply == {
         "error": "Run-time KV cache resize is unavailable in this vLLM: "
         "vllm.v1.core.sched.scheduler.Scheduler.running_queue is missing"

@@ -167,7 +167,9 @@ def announced(tmp_path: Path, status_server: str) -> Iterator[dict[str, Any]]:
             str(tmp_path),
             instance_entries.record([NODE], "tiny", 48 * MiB, 2 * MiB, True, 40 * MiB, status_server),
         ),
-        instance_entries.Announcement(str(tmp_path), instance_entries.record([NODE], "tiny", 32 * MiB, status_url=closed_port_url())),
+        instance_entries.Announcement(
+            str(tmp_path), instance_entries.record([NODE], "tiny", 32 * MiB, status_url=closed_port_url())
+        ),
         instance_entries.Announcement(str(tmp_path), instance_entries.record([NODE], "other", 16 * MiB)),
     ]
     try:

@@ -148,7 +148,7 @@ def test_a_change_that_fails_inside_vllm_is_rolled_back(pool) -> None:
         num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16
     )
 
-    result = hooks.runtime.engine_core._kv_cache_limit_set(core, 4 * 1024, "preempt")
+    result = hooks.runtime.utility_methods.kv_cache_limit_set(core, 4 * 1024, "preempt")
 
     assert result.get("failed") is True and "preemption broke" in result["error"], result
     assert "stays at 10KiB (10 blocks)" in result["error"], result["error"]
@@ -158,7 +158,7 @@ def test_a_change_that_fails_inside_vllm_is_rolled_back(pool) -> None:
     assert (state.limit, state.requested, state.mode, state.withheld) == (BLOCKS, BLOCKS * 1024, "drain", set())
     assert sorted(b.block_id for b in pool.free_block_queue.get_all_free_blocks()) == free_before
     # And the engine resizes normally afterwards (drain: the request keeps its blocks).
-    status = hooks.runtime.engine_core._kv_cache_limit_set(core, 4 * 1024, "drain")
+    status = hooks.runtime.utility_methods.kv_cache_limit_set(core, 4 * 1024, "drain")
     assert "error" not in status and status["num_blocks_limit"] == 4 and status["num_blocks_in_use_above_limit"] == 2
 
 
@@ -166,7 +166,7 @@ def test_a_ceiling_whose_limit_fails_is_not_kept(pool) -> None:
     """Autoscaling: a manual resize below the limit in force sets the
     limit, then the ceiling; when the limit cannot be set, the ceiling
     stays as it was."""
-    from vllm_kv_cache_limit.hooks.runtime import autoscaler, engine_core
+    from vllm_kv_cache_limit.hooks.runtime import autoscaler, utility_methods
     from vllm_kv_cache_limit.logic.autoscale_policy import Hysteresis, Policy
 
     allocation = Allocation(num_blocks=BLOCKS, bytes_per_block=1024, blocks_per_request=1, max_model_len=16)
@@ -180,16 +180,16 @@ def test_a_ceiling_whose_limit_fails_is_not_kept(pool) -> None:
         allocation=allocation,
         hysteresis=Hysteresis(Policy(2, 1, shrink_after_s=30.0)),
         ceiling=BLOCKS,
-        set_limit=engine_core._set_limit,
+        set_limit=utility_methods.set_limit,
         group_caps=[(16, 1)],
         max_model_len=16,
     )
-    result = engine_core._kv_cache_limit_set(core, 4 * 1024, "preempt")
+    result = utility_methods.kv_cache_limit_set(core, 4 * 1024, "preempt")
     assert result.get("failed") is True and "preemption broke" in result["error"], result
     assert state.autoscaler.ceiling == BLOCKS  # not the refused 4
     assert RuntimeLimit.of(pool).limit == BLOCKS
     # Once the limit can be set, the ceiling follows, and the reply shows it.
-    status = engine_core._kv_cache_limit_set(core, 4 * 1024, "drain")
+    status = utility_methods.kv_cache_limit_set(core, 4 * 1024, "drain")
     assert "error" not in status and status["num_blocks_limit"] == 4, status
     assert state.autoscaler.ceiling == 4 and status["autoscale"]["ceiling_bytes"] == 4 * 1024, status
 

@@ -414,13 +414,13 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         ("vllm.v1.core.kv_cache_manager",),
         "KVCacheManager",
         "block_pool",
-        "`_pool`: the block pool the limit lives on",
+        "`pool_of`: the block pool the limit lives on",
     ),
     Attribute(
         ("vllm.v1.core.sched.scheduler",),
         "Scheduler",
         "kv_cache_manager",
-        "`_pool`, `preempt_above`: the blocks each request holds",
+        "`pool_of`, `preempt_above`: the blocks each request holds",
     ),
     Attribute(
         ("vllm.v1.core.sched.scheduler",),
@@ -447,7 +447,7 @@ RESIZE_ATTRIBUTES: tuple[Attribute, ...] = (
         ("vllm.v1.engine.core",),
         "EngineCore",
         "scheduler",
-        "`_pool`, `RuntimeLimit.shrink`: the engine core's scheduler",
+        "`pool_of`, `RuntimeLimit.shrink`: the engine core's scheduler",
     ),
     Attribute(
         ("vllm.v1.engine.core",),

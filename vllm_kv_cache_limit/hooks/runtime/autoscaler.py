@@ -86,7 +86,7 @@ class Autoscaler:
     ceiling: int
     """Blocks: the start-up allocation, or the last manual resize."""
     set_limit: Callable[..., dict[str, Any]]
-    """Sets the engine core's limit (``hooks.runtime.engine_core._set_limit``;
+    """Sets the engine core's limit (``hooks.runtime.utility_methods.set_limit``;
     ``lazy=True`` returns the pages above it lazily)."""
     group_caps: list[tuple[int, int]]
     """Per KV cache group: tokens per block, and the most blocks one request needs."""
