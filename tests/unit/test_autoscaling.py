@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 from vllm_kv_cache_limit.hooks.runtime import autoscaler, shared_budget, wakeups  # noqa: E402
 from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState  # noqa: E402
 from vllm_kv_cache_limit.logic.autoscale_policy import Hysteresis, Policy  # noqa: E402
+from vllm_kv_cache_limit.logic.budget_ledger import others_in  # noqa: E402
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError  # noqa: E402
 from vllm_kv_cache_limit.logic.limit_math import Allocation  # noqa: E402
 
@@ -452,7 +453,7 @@ def test_an_instance_on_two_devices_counts_once(tmp_path: Path) -> None:
         # Each sees the other in both ledgers, with one id: one instance.
         with scalers[1].transaction() as views:
             assert [len(view.others) for view in views] == [1, 1]
-            assert len(autoscaler.others_in(views)) == 1
+            assert len(others_in(views)) == 1
     finally:
         for scaler in scalers:
             scaler.close()

@@ -37,8 +37,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vllm_kv_cache_limit.logic import envs
-from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
+from vllm_kv_cache_limit.logic import envs, limit_math
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError, KVCacheResizeError
 from vllm_kv_cache_limit.logic.limit_math import NULL_BLOCKS, Allocation
 from vllm_kv_cache_limit.logic.sizes import format_size
 
@@ -293,3 +293,45 @@ def release_lazily(enabled: bool, limit: int, new: int, ceiling: int, reason: st
     instance of the shared budget, which may need the memory at once,
     returns the pages at once, as does any change that is not a fall."""
     return enabled and new < limit <= ceiling and reason.startswith(IDLE_REASON_PREFIX)
+
+
+def floor_blocks(min_memory: int | None, allocation: Allocation) -> int:
+    """The floor in blocks: ``--kv-cache-min-memory``, by default one
+    request of ``max_model_len``; refused as resize refuses a limit that
+    cannot hold one request, or above the start-up allocation."""
+    if min_memory is None:
+        return allocation.whole_chunks(allocation.blocks_per_request + limit_math.NULL_BLOCKS, up=True)
+    try:
+        return allocation.whole_chunks(limit_math.limit_for(min_memory, allocation), up=True)
+    except KVCacheResizeError as exc:
+        raise KVCacheMaxMemoryError(f"--kv-cache-min-memory {format_size(min_memory)} is refused: {exc}") from None
+
+
+@dataclass
+class Episode:
+    """A run of decisions that could not be made, logged once when it
+    starts and once when it ends (with how many there were), not at every
+    decision."""
+
+    since: float | None = None
+    count: int = 0
+    logged: bool = False
+
+    def begin(self, now: float) -> bool:
+        """Count one; whether it starts an episode."""
+        self.count += 1
+        if self.since is None:
+            self.since = now
+            return True
+        return False
+
+    def end(self, now: float) -> tuple[int, float] | None:
+        """Close an episode in progress: (decisions, seconds), else None."""
+        if self.since is None:
+            return None
+        ended = (self.count, now - self.since)
+        self.since, self.count, self.logged = None, 0, False
+        return ended
+
+    def seconds(self, now: float) -> float | None:
+        return None if self.since is None else round(now - self.since, 1)

@@ -281,3 +281,14 @@ def _forget_in_forked_children(ledger: Ledger) -> None:
             found.forget()
 
     os.register_at_fork(after_in_child=after_in_child)
+
+
+def others_in(views: list[View]) -> list[dict[str, Any]]:
+    """The other instances in the ledgers of this instance's devices, each
+    once (a tensor-parallel instance has an entry in every device's ledger,
+    all with its id); an entry without an id counts on its own."""
+    found: dict[str, dict[str, Any]] = {}
+    for view in views:
+        for record in view.others:
+            found.setdefault(str(record.get("instance") or f"entry {len(found)}"), record)
+    return list(found.values())

@@ -19,9 +19,8 @@ from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.hooks.runtime.demand import DemandReader, rose
 from vllm_kv_cache_limit.logic import autoscale_policy, limit_math
-from vllm_kv_cache_limit.logic.autoscale_policy import Hysteresis, Share
-from vllm_kv_cache_limit.logic.budget_ledger import Ledger, LedgerBusy, View
-from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError, KVCacheResizeError
+from vllm_kv_cache_limit.logic.autoscale_policy import Episode, Hysteresis, Share
+from vllm_kv_cache_limit.logic.budget_ledger import Ledger, LedgerBusy, View, others_in
 from vllm_kv_cache_limit.logic.limit_math import Allocation
 from vllm_kv_cache_limit.logic.sizes import format_size
 
@@ -38,36 +37,6 @@ AUTOSCALE = "kv_cache_autoscale"
 MIN_MEMORY = "kv_cache_min_memory"
 SHARED_BUDGET = "kv_cache_shared_budget"
 """The ``CacheConfig`` attributes the engine arguments are carried in."""
-
-
-@dataclass
-class Episode:
-    """A run of decisions that could not be made, logged once when it
-    starts and once when it ends (with how many there were), not at every
-    decision."""
-
-    since: float | None = None
-    count: int = 0
-    logged: bool = False
-
-    def begin(self, now: float) -> bool:
-        """Count one; whether it starts an episode."""
-        self.count += 1
-        if self.since is None:
-            self.since = now
-            return True
-        return False
-
-    def end(self, now: float) -> tuple[int, float] | None:
-        """Close an episode in progress: (decisions, seconds), else None."""
-        if self.since is None:
-            return None
-        ended = (self.count, now - self.since)
-        self.since, self.count, self.logged = None, 0, False
-        return ended
-
-    def seconds(self, now: float) -> float | None:
-        return None if self.since is None else round(now - self.since, 1)
 
 
 def _end_failing(failing: Episode, now: float) -> None:
@@ -414,26 +383,3 @@ class Autoscaler:
             ledgers, self.ledgers = self.ledgers, []
             for ledger in ledgers:
                 ledger.close()
-
-
-def floor_blocks(min_memory: int | None, allocation: Allocation) -> int:
-    """The floor in blocks: ``--kv-cache-min-memory``, by default one
-    request of ``max_model_len``; refused as resize refuses a limit that
-    cannot hold one request, or above the start-up allocation."""
-    if min_memory is None:
-        return allocation.whole_chunks(allocation.blocks_per_request + limit_math.NULL_BLOCKS, up=True)
-    try:
-        return allocation.whole_chunks(limit_math.limit_for(min_memory, allocation), up=True)
-    except KVCacheResizeError as exc:
-        raise KVCacheMaxMemoryError(f"--kv-cache-min-memory {format_size(min_memory)} is refused: {exc}") from None
-
-
-def others_in(views: list[View]) -> list[dict[str, Any]]:
-    """The other instances in the ledgers of this instance's devices, each
-    once (a tensor-parallel instance has an entry in every device's ledger,
-    all with its id); an entry without an id counts on its own."""
-    found: dict[str, dict[str, Any]] = {}
-    for view in views:
-        for record in view.others:
-            found.setdefault(str(record.get("instance") or f"entry {len(found)}"), record)
-    return list(found.values())

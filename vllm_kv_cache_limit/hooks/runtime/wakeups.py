@@ -12,7 +12,8 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kv_cache_limit.hooks.runtime.autoscaler import TICK_S, Autoscaler, Episode, _end_failing
+from vllm_kv_cache_limit.hooks.runtime.autoscaler import TICK_S, Autoscaler, _end_failing
+from vllm_kv_cache_limit.logic.autoscale_policy import Episode
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
