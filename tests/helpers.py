@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
+from vllm_kv_cache_limit.hooks.worker_state import WorkerState
 from vllm_kv_cache_limit.logic.kv_cache import kv_cache_storages, lazy_free_bytes_in, rss_bytes, worker_kv_cache_bytes
 
 RESULT_PREFIX = "PROBE_RESULT "
@@ -210,7 +211,8 @@ class KVCacheProbe:
     def kv_cache_limit_rss_fall(self) -> int:
         """How far this worker's RSS fell at its last release of KV cache
         pages (measured by the plugin around its ``madvise`` calls)."""
-        return int(getattr(self, "_kvcl_rss_fall", 0))
+        state = WorkerState.peek(self)
+        return 0 if state is None else state.rss_fall
 
 
 def worker_rss_bytes(worker: Any) -> int:

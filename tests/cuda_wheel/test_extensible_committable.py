@@ -27,8 +27,10 @@ from tests.cuda_wheel import test_resize_scheduler as sched
 from tests.cuda_wheel.conftest import FakeGPU
 from tests.cuda_wheel.vmm_standin import HostVmmDriver, MiB
 from vllm_kv_cache_limit.hooks.runtime import autoscaler
-from vllm_kv_cache_limit.hooks.runtime.engine_core import start_at, start_autoscaling
+from vllm_kv_cache_limit.hooks.runtime.engine_core import start_autoscaling
 from vllm_kv_cache_limit.hooks.runtime.limit import RuntimeLimit
+from vllm_kv_cache_limit.hooks.runtime.utility_methods import start_at
+from vllm_kv_cache_limit.hooks.worker_state import WorkerState
 from vllm_kv_cache_limit.logic import envs, limit_math
 
 LOGGER = "vllm.plugins.kv_cache_limit"
@@ -101,7 +103,7 @@ def _measured_engine(fake_gpu: FakeGPU, tiny_model: str, monkeypatch: pytest.Mon
     monkeypatch.setattr(sched, "NUM_BLOCKS", resize.NUM_BLOCKS)
     fake_gpu.free = (1 << 30) + 20 * MiB
     core = _engine(tiny_model, cap=resize.NUM_BLOCKS * resize.BYTES_PER_BLOCK, measure_with=fake_gpu)
-    measured = resize._cache(core)._kvcl_measured
+    measured = WorkerState.peek(resize._cache(core)).measured
     assert 100 < measured < 2 * resize.BLOCKS_PER_CHUNK < resize.NUM_BLOCKS
     start_at(core, measured)
     return core
@@ -118,7 +120,7 @@ def test_a_raise_past_what_vllm_can_commit_is_refused_and_grows_once_the_device_
     core = _measured_engine(fake_gpu, tiny_model, monkeypatch)
     try:
         cache = resize._cache(core)
-        measured = cache._kvcl_measured
+        measured = WorkerState.peek(cache).measured
         assert cache.committable_blocks() == measured  # the premise: vLLM says no more blocks fit
         mapped = driver.mapped_bytes
         asked = resize.NUM_BLOCKS * resize.BYTES_PER_BLOCK
@@ -155,7 +157,7 @@ def test_the_autoscaler_grows_no_further_than_vllm_can_commit(
     scaler = None
     try:
         cache = resize._cache(core)
-        measured = cache._kvcl_measured
+        measured = WorkerState.peek(cache).measured
         cache_config = core.vllm_config.cache_config
         setattr(cache_config, autoscaler.AUTOSCALE, True)
         setattr(cache_config, autoscaler.MIN_MEMORY, None)

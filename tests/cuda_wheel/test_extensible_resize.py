@@ -37,8 +37,10 @@ from tests.cuda_wheel.test_vmm_standin import RSS_SLACK, read_in_child, rss_shme
 from tests.cuda_wheel.vmm_standin import HostVmmDriver, MiB, VmmRuleError
 from vllm_kv_cache_limit.hooks.runtime import autoscaler
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
-from vllm_kv_cache_limit.hooks.runtime.engine_core import start_at, start_autoscaling
+from vllm_kv_cache_limit.hooks.runtime.engine_core import start_autoscaling
 from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState, RuntimeLimit
+from vllm_kv_cache_limit.hooks.runtime.utility_methods import start_at
+from vllm_kv_cache_limit.hooks.worker_state import WorkerState
 from vllm_kv_cache_limit.hooks.wrap import WRAPPED
 from vllm_kv_cache_limit.logic import envs, limit_math
 
@@ -499,9 +501,17 @@ def test_a_cache_extended_to_the_cap_commits_what_warmup_measured_and_grows_to_t
     core = _engine(tiny_model, measure_with=fake_gpu)
     try:
         cache = _cache(core)
-        measured = cache._kvcl_measured
-        assert 100 < measured < 2 * BLOCKS_PER_CHUNK < NUM_BLOCKS
         runner = core.model_executor.worker.model_runner
+        # The cache's state is its worker's, under one name; its buffer keeps its chunks under one.
+        assert sorted(name for name in vars(cache) if name.startswith("_kvcl_")) == ["_kvcl_worker"]
+        assert sorted(name for name in vars(cache.buffer._buffer) if name.startswith("_kvcl_")) == ["_kvcl_chunks"]
+        state = WorkerState.peek(cache)
+        assert state is not None and WorkerState.peek(runner.vllm_config) is state
+        assert WorkerState.peek(runner.vllm_config.cache_config) is state
+        assert WorkerState.peek(runner.vllm_config.compilation_config) is state
+        measured = state.measured
+        assert measured is not None and 100 < measured < 2 * BLOCKS_PER_CHUNK < NUM_BLOCKS
+        assert state.started == measured
         assert runner.kv_cache_config.num_blocks == NUM_BLOCKS  # views and block tables cover the cap
         assert cache.num_committed_blocks == measured
         assert driver.mapped_bytes == cache.physical_bytes_for(measured) < NUM_BLOCKS * BYTES_PER_BLOCK

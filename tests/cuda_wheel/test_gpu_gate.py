@@ -16,7 +16,8 @@ from vllm.v1.worker.utils import request_memory
 
 from tests.cuda_wheel.conftest import FakeGPU, GiB
 from vllm_kv_cache_limit import compat
-from vllm_kv_cache_limit.hooks.cap import gpu_worker, worker_gate
+from vllm_kv_cache_limit.hooks.cap import gpu_worker
+from vllm_kv_cache_limit.hooks.worker_state import WorkerState
 from vllm_kv_cache_limit.hooks.wrap import WRAPPED
 
 CAP = 8 * GiB
@@ -63,7 +64,7 @@ def test_default_cache_config_with_a_cap_asks_for_the_free_memory(fake_gpu: Fake
     requested = vllm_gpu_worker.request_memory(snapshot, config, 0)
     assert 20 * GiB - 1 <= requested <= 20 * GiB
     assert config.gpu_memory_utilization == given  # the caller's config is untouched
-    gate = worker_gate.gate_of(config)
+    gate = WorkerState.peek(config).gate
     assert gate is not None and gate.limited_by_free
     assert (gate.free, gate.total, gate.requested, gate.device) == (20 * GiB, 80 * GiB, requested, "cuda:0")
 
@@ -75,7 +76,7 @@ def test_default_cache_config_with_a_cap_on_a_free_device_is_vllms_own_request(f
     assert expected == math.ceil(80 * GiB * _resolved(CacheConfig()))
     config = _capped(CacheConfig())
     assert gpu_worker._ceiling_request_memory(request_memory)(snapshot, config) == expected
-    gate = worker_gate.gate_of(config)
+    gate = WorkerState.peek(config).gate
     assert gate is not None and not gate.limited_by_free
 
 

@@ -19,7 +19,7 @@ from vllm.v1.worker import gpu_worker as vllm_gpu_worker
 
 from tests.conftest import TEST_MAX_MODEL_LEN
 from tests.cuda_wheel.conftest import FakeGPU, GiB, bare_gpu_worker
-from vllm_kv_cache_limit.hooks.cap import worker_gate
+from vllm_kv_cache_limit.hooks.worker_state import WorkerState
 from vllm_kv_cache_limit.hooks.wrap import WRAPPED
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 
@@ -74,14 +74,14 @@ def test_a_cap_within_what_the_instance_can_get_leaves_vllms_budget(fake_gpu: Fa
     activation peak; an 8 GiB cap fits in it and is recorded beside it."""
     fake_gpu.free = 20 * GiB
     worker = _started_worker(fake_gpu, tiny_model, "8G")
-    gate = worker_gate.gate_of(worker.cache_config)
+    gate = WorkerState.peek(worker.cache_config).gate
     assert gate is not None and gate.limited_by_free and gate.requested == worker.requested_memory
     assert 20 * GiB - 1 <= worker.requested_memory <= 20 * GiB
 
     budget = worker.determine_available_memory()
     assert worker.model_runner.profile_runs == 1
     assert budget == worker.requested_memory - WEIGHTS - ACTIVATION_PEAK
-    decision = worker_gate.cap_decision_of(worker.vllm_config.compilation_config)
+    decision = WorkerState.peek(worker.vllm_config.compilation_config).cap_decision
     assert decision is not None and (decision.cap, decision.budget) == (8 * GiB, budget)
 
 
@@ -109,7 +109,7 @@ def test_a_cap_within_the_tolerance_above_the_budget_gets_the_budget(
     with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
         budget = worker.determine_available_memory()
     assert budget == worker.requested_memory - WEIGHTS - ACTIVATION_PEAK
-    decision = worker_gate.cap_decision_of(worker.vllm_config.compilation_config)
+    decision = WorkerState.peek(worker.vllm_config.compilation_config).cap_decision
     assert decision is not None and decision.kv_bytes == budget < cap
     lines = [r.getMessage() for r in caplog.records if "tolerance" in r.getMessage()]
     assert len(lines) == 1, caplog.text
@@ -130,7 +130,7 @@ def test_without_a_cap_the_profiling_is_vllms_own(fake_gpu: FakeGPU, tiny_model:
     """No cap: the plugin's wrappers only pass through (the device is free
     enough for vLLM's own gate)."""
     worker = _started_worker(fake_gpu, tiny_model, None)
-    assert worker_gate.gate_of(worker.cache_config) is None
+    assert WorkerState.peek(worker.cache_config) is None
     budget = worker.determine_available_memory()
     assert budget == worker.requested_memory - WEIGHTS - ACTIVATION_PEAK
-    assert worker_gate.cap_decision_of(worker.vllm_config.compilation_config) is None
+    assert WorkerState.peek(worker.vllm_config.compilation_config) is None

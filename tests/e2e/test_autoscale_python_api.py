@@ -141,7 +141,10 @@ from tests.helpers import enter_engine_process, kv_cache_resident_bytes, ledger_
 def rss_fall(worker):
     # How far the worker's RSS (less LazyFree: the idle fall releases lazily) fell at its
     # last release, measured around its madvise calls.
-    return int(getattr(worker, "_kvcl_rss_fall", 0))
+    from vllm_kv_cache_limit.hooks.worker_state import WorkerState
+
+    state = WorkerState.peek(worker)
+    return 0 if state is None else state.rss_fall
 
 if __name__ == "__main__":
     enter_engine_process()

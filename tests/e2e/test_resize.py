@@ -255,7 +255,10 @@ import vllm_kv_cache_limit as kvl
 
 def rss_fall(worker):
     # How far the worker's RSS fell at its last release, measured around its madvise calls.
-    return int(getattr(worker, "_kvcl_rss_fall", 0))
+    from vllm_kv_cache_limit.hooks.worker_state import WorkerState
+
+    state = WorkerState.peek(worker)
+    return 0 if state is None else state.rss_fall
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])

@@ -21,6 +21,7 @@ import vllm_kv_cache_limit.hooks.cap.gpu_worker
 import vllm_kv_cache_limit.hooks.cap.worker_gate  # noqa: F401
 from vllm_kv_cache_limit import _bootstrap, hooks, register
 from vllm_kv_cache_limit.config import FIELD
+from vllm_kv_cache_limit.hooks.worker_state import Gate, WorkerState
 from vllm_kv_cache_limit.logic import envs
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 
@@ -155,7 +156,7 @@ def test_cuda_gate_refuses_without_cap_and_asks_for_free_memory_with_one() -> No
     requested = wrapped(snapshot, config)
     assert 20 * GiB - 1 <= requested <= 20 * GiB
     assert config.gpu_memory_utilization == 0.9  # the caller's config is untouched
-    gate = hooks.cap.worker_gate.gate_of(config)  # kept on the worker's own config
+    gate = WorkerState.peek(config).gate  # kept on the worker's own config
     assert gate is not None and gate.limited_by_free and gate.free == 20 * GiB
     # Weights held by another process (external_weight_memory) count as vLLM counts them.
     with pytest.raises(ValueError, match="engine's budget after excluding"):
@@ -177,7 +178,7 @@ def test_cuda_gate_with_the_two_argument_request_memory_of_vllm_0_29_to_0_31() -
         wrapped(snapshot, _cache_config(0.9, None))
     config = _cache_config(0.9, 8 * GiB)
     assert 20 * GiB - 1 <= wrapped(snapshot, config) <= 20 * GiB
-    assert hooks.cap.worker_gate.gate_of(config).limited_by_free
+    assert WorkerState.peek(config).gate.limited_by_free
 
 
 @pytest.mark.parametrize(("utilization", "free"), [(0.9, 79 * GiB), (0.3, 30 * GiB)])
@@ -188,19 +189,20 @@ def test_cuda_gate_unchanged_when_the_utilization_is_free(utilization: float, fr
     expected = request_memory(snapshot, _cache_config(utilization, None))
     config = _cache_config(utilization, 8 * GiB)
     assert hooks.cap.gpu_worker._ceiling_request_memory(request_memory)(snapshot, config) == expected
-    assert not hooks.cap.worker_gate.gate_of(config).limited_by_free
+    assert not WorkerState.peek(config).gate.limited_by_free
 
 
 def _gpu_worker(cap: int | None, explicit: int | None = None, gate=None):
     """A GPU worker as the hooks see it; ``gate``: what its start-up gate left."""
     cache_config = SimpleNamespace(kv_cache_max_memory=cap, kv_cache_memory_bytes=explicit)
     if gate is not None:
-        cache_config._kvcl_gate = gate
-    return SimpleNamespace(cache_config=cache_config, vllm_config=SimpleNamespace(compilation_config=SimpleNamespace()))
+        WorkerState.of(cache_config).gate = gate
+    vllm_config = SimpleNamespace(cache_config=cache_config, compilation_config=SimpleNamespace())
+    return SimpleNamespace(cache_config=cache_config, vllm_config=vllm_config)
 
 
 def _gate(*, free: int, requested: int, limited: bool):
-    return hooks.cap.worker_gate.Gate("cuda:0", 80 * GiB, free, requested, limited)
+    return Gate("cuda:0", 80 * GiB, free, requested, limited)
 
 
 def test_cuda_cap_above_what_the_instance_can_get_fails_after_profiling(mocker) -> None:
@@ -470,7 +472,7 @@ def test_cpu_gate_reads_the_memory_node_vllm_binds_the_worker_to(mocker, monkeyp
     Here the CPUs start on node 0 but the memory is node 1's: the ceiling
     must come from node 1's free memory."""
     import torch
-    from vllm.config import ParallelConfig
+    from vllm.config import CompilationConfig, ParallelConfig
     from vllm.utils import cpu_resource_utils
     from vllm.utils.cpu_resource_utils import LogicalCPUInfo, MemoryNodeInfo
     from vllm.v1.worker import cpu_worker, gpu_worker
@@ -496,7 +498,11 @@ def test_cpu_gate_reads_the_memory_node_vllm_binds_the_worker_to(mocker, monkeyp
     parallel_config = ParallelConfig()
 
     def config(cap: int | None) -> SimpleNamespace:
-        return SimpleNamespace(cache_config=_cache_config(0.9, cap), parallel_config=parallel_config)
+        return SimpleNamespace(
+            cache_config=_cache_config(0.9, cap),
+            parallel_config=parallel_config,
+            compilation_config=CompilationConfig(),
+        )
 
     with pytest.raises(ValueError, match="less than desired CPU memory utilization"):
         original(object.__new__(cpu_worker.CPUWorker), config(None), 0, 0, "tcp://127.0.0.1:1")  # 7.2 > 6 GiB
@@ -506,7 +512,7 @@ def test_cpu_gate_reads_the_memory_node_vllm_binds_the_worker_to(mocker, monkeyp
     hooks.cap.cpu_worker._ceiling_cpu_worker_init(original)(worker, capped, 0, 0, "tcp://127.0.0.1:1")
     slack = hooks.cap.worker_gate.cpu_gate_slack(6 * GiB)
     assert 6 * GiB - slack - MiB <= worker.requested_cpu_memory <= 6 * GiB - slack
-    gate = hooks.cap.worker_gate.gate_of(capped.cache_config)
+    gate = WorkerState.peek(capped.cache_config).gate
     assert gate is not None and gate.device == "host memory node 1 (CPU backend)"
     assert hooks.devices.cpu_free_memory(worker) == (6 * GiB, 8 * GiB, "host memory node 1 (CPU backend)")
 
@@ -569,13 +575,13 @@ def test_cpu_cap_within_the_tolerance_above_the_budget_starts_with_the_budget(
     import logging
 
     worker, determine_available_memory = _profiled_cpu_worker(mocker, monkeypatch)
-    assert hooks.cap.worker_gate.gate_of(worker.cache_config).limited_by_free  # the premise
+    assert WorkerState.peek(worker.cache_config).gate.limited_by_free  # the premise
     budget = worker.requested_cpu_memory - RSS  # what vLLM's profiling will leave
     cap = budget + budget // 200
     worker.cache_config.kv_cache_max_memory = cap
     with caplog.at_level(logging.INFO, logger="vllm.plugins.kv_cache_limit"):
         assert determine_available_memory(worker) == budget
-    decision = hooks.cap.worker_gate.cap_decision_of(worker.vllm_config.compilation_config)
+    decision = WorkerState.peek(worker.vllm_config.compilation_config).cap_decision
     assert decision is not None and decision.kv_bytes == budget and not decision.bound
     records = [r for r in caplog.records if "tolerance" in r.getMessage()]
     assert [(r.name, r.levelno) for r in records] == [("vllm.plugins.kv_cache_limit", logging.INFO)], caplog.text
@@ -597,7 +603,7 @@ def test_cpu_cap_beyond_the_tolerance_above_the_budget_is_refused(mocker, monkey
     message = str(info.value)
     assert message.startswith(f"--kv-cache-max-memory {format_size(cap, 'up')} ({cap} bytes"), message
     assert "can still give this instance" in message and f"({budget} bytes) for the KV cache" in message
-    assert hooks.cap.worker_gate.cap_decision_of(worker.vllm_config.compilation_config).budget == budget
+    assert WorkerState.peek(worker.vllm_config.compilation_config).cap_decision.budget == budget
 
 
 @pytest.mark.parametrize(("data_parallel_size", "locked"), [(1, True), (2, False)])
@@ -774,9 +780,9 @@ def test_mamba_block_shortage_names_the_cap_when_it_binds(mocker, decision: str)
     }[decision]
     config = CompilationConfig()
     if worker_cap is not None:  # as the worker's determine_available_memory leaves it
-        hooks.cap.worker_gate.record_worker_cap(
-            SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=config)), **vars(worker_cap)
-        )
+        worker = _gpu_worker(cap)
+        worker.vllm_config.compilation_config = config
+        hooks.cap.worker_gate.record_worker_cap(worker, **vars(worker_cap))
     with pytest.raises(ValueError) as info:
         _resolve_full_cuda_graphs_for_16_sequences_in_10_mamba_blocks(config)
     if decision != "bound":
@@ -822,7 +828,7 @@ def test_an_engine_built_later_in_the_process_sees_no_earlier_cap(mocker) -> Non
     register()
     capped = _gpu_worker(40 * 1024)
     capped.vllm_config.compilation_config = CompilationConfig()
-    capped.cache_config._kvcl_gate = _gate(free=20 * GiB, requested=20 * GiB, limited=False)
+    WorkerState.of(capped.cache_config).gate = _gate(free=20 * GiB, requested=20 * GiB, limited=False)
     # The capped engine's worker: vLLM's budget (1 GiB) is above the cap, so the cap binds.
     assert (
         hooks.cap.worker_gate.check_cap_fits_instance(hooks.devices.cuda_free_memory, mocker.Mock(return_value=GiB))(
@@ -830,13 +836,27 @@ def test_an_engine_built_later_in_the_process_sees_no_earlier_cap(mocker) -> Non
         )
         == GiB
     )
-    assert hooks.cap.worker_gate.cap_decision_of(capped.vllm_config.compilation_config).bound  # the premise
+    assert WorkerState.peek(capped.vllm_config.compilation_config).cap_decision.bound  # the premise
     later = _gpu_worker(None)
     config = CompilationConfig()  # the later, uncapped engine's
     with pytest.raises(ValueError) as info:
         _resolve_full_cuda_graphs_for_16_sequences_in_10_mamba_blocks(config)
     assert type(info.value) is ValueError and "increase gpu_memory_utilization" in str(info.value)
-    assert (
-        hooks.cap.worker_gate.gate_of(later.cache_config) is None
-        and hooks.cap.worker_gate.cap_decision_of(config) is None
-    )
+    assert WorkerState.peek(later.cache_config) is None and WorkerState.peek(config) is None
+
+
+def test_a_worker_keeps_its_state_in_one_object_on_each_of_its_vllm_objects(mocker, monkeypatch) -> None:
+    """The gate and the cap decision of one CPU worker (vLLM's own
+    ``CPUWorker``, through both of its hooks) are one ``WorkerState``, under
+    one name on the worker, its config and the cache and compilation configs
+    the hooks receive, and nothing else of the plugin's is kept on them."""
+    worker, determine_available_memory = _profiled_cpu_worker(mocker, monkeypatch)
+    budget = worker.requested_cpu_memory - RSS
+    assert determine_available_memory(worker) == budget
+    holders = (worker, worker.vllm_config, worker.cache_config, worker.vllm_config.compilation_config)
+    kept = [sorted(name for name in vars(holder) if name.startswith("_kvcl_")) for holder in holders]
+    assert kept == [["_kvcl_worker"]] * len(holders)
+    state = WorkerState.peek(worker)
+    assert state is not None and all(WorkerState.peek(holder) is state for holder in holders)
+    assert state.gate is not None and state.gate.limited_by_free
+    assert state.cap_decision is not None and state.cap_decision.budget == budget

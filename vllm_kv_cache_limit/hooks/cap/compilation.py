@@ -7,7 +7,7 @@ from typing import Any
 
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.hooks.apply import hook_ok, name_cap_when_refused
-from vllm_kv_cache_limit.hooks.cap.worker_gate import cap_decision_of
+from vllm_kv_cache_limit.hooks.worker_state import WorkerState
 from vllm_kv_cache_limit.hooks.wrap import wrap
 from vllm_kv_cache_limit.logic.cap_decision import mamba_blocks_message
 from vllm_kv_cache_limit.logic.kv_cache import bytes_per_block
@@ -29,7 +29,8 @@ def _name_cap_when_mamba_blocks_short(original: Callable) -> Callable:
 
 
 def _mamba_blocks_message(arguments: dict[str, Any]) -> str | None:
-    decision = cap_decision_of(arguments["self"])
+    state = WorkerState.peek(arguments["self"])  # the compilation config of a capped worker's engine
+    decision = None if state is None else state.cap_decision
     kv_cache_config, max_num_reqs = arguments.get("kv_cache_config"), arguments.get("max_num_reqs")
     if (
         decision is None

@@ -13,8 +13,9 @@ from vllm_kv_cache_limit.config import cap_of
 from vllm_kv_cache_limit.hooks import devices
 from vllm_kv_cache_limit.hooks.apply import hook_ok
 from vllm_kv_cache_limit.hooks.cap import ranks
-from vllm_kv_cache_limit.hooks.cap.worker_gate import Gate, check_cap_fits_instance, cpu_gate_slack, gate_of, log_gate
+from vllm_kv_cache_limit.hooks.cap.worker_gate import check_cap_fits_instance, cpu_gate_slack, log_gate
 from vllm_kv_cache_limit.hooks.devices import cpu_free_memory, cpu_memory_node, cpu_node_memory
+from vllm_kv_cache_limit.hooks.worker_state import Gate, WorkerState
 from vllm_kv_cache_limit.hooks.wrap import wrap
 from vllm_kv_cache_limit.logic.cap_decision import (
     utilization_ceiling,
@@ -69,7 +70,8 @@ def _ceiling_cpu_worker_init(original: Callable) -> Callable:
             original(self, vllm_config, *args, **kwargs)
         finally:
             compat.set_gpu_memory_utilization(cache_config, given)
-        cache_config._kvcl_gate = gate = Gate(device, total, free, int(self.requested_cpu_memory), bool(ceiling))
+        gate = Gate(device, total, free, int(self.requested_cpu_memory), bool(ceiling))
+        WorkerState.of_config(vllm_config, self).gate = gate
         log_gate(gate, utilization)
         return None
 
@@ -81,7 +83,8 @@ def _lower_cpu_request(worker: Any) -> None:
     its resident memory plus what is available now (less the slack)."""
     from vllm.utils.cpu_resource_utils import get_allowed_cpu_list
 
-    gate = gate_of(worker.cache_config)
+    state = WorkerState.peek(worker.cache_config)
+    gate = None if state is None else state.gate
     if gate is None:
         return
     requested = worker.requested_cpu_memory  # compat.ATTRIBUTES

@@ -13,8 +13,9 @@ from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
 from vllm_kv_cache_limit.hooks.apply import hook_ok, unenforced
 from vllm_kv_cache_limit.hooks.cap import ranks
-from vllm_kv_cache_limit.hooks.cap.worker_gate import Gate, check_cap_fits_instance, log_gate
+from vllm_kv_cache_limit.hooks.cap.worker_gate import check_cap_fits_instance, log_gate
 from vllm_kv_cache_limit.hooks.devices import cuda_free_memory
+from vllm_kv_cache_limit.hooks.worker_state import Gate, WorkerState
 from vllm_kv_cache_limit.hooks.wrap import wrap
 from vllm_kv_cache_limit.logic.cap_decision import (
     utilization_ceiling,
@@ -64,8 +65,9 @@ def _ceiling_request_memory(original: Callable) -> Callable:
             requested = original(init_snapshot, lowered, *args, **kwargs)
         else:
             requested = original(init_snapshot, cache_config, *args, **kwargs)
-        # On the worker's own cache_config, which its determine_available_memory reads.
-        cache_config._kvcl_gate = gate = Gate(device, total, free, int(requested), bool(ceiling))
+        # In the state on the worker's own cache_config, which its determine_available_memory reads.
+        gate = Gate(device, total, free, int(requested), bool(ceiling))
+        WorkerState.of(cache_config).gate = gate
         log_gate(gate, utilization)
         return requested
 

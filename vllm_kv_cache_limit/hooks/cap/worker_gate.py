@@ -4,7 +4,6 @@ instance can get after vLLM's profiling (shared by the GPU and CPU workers).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +12,7 @@ from vllm.logger import init_logger
 
 from vllm_kv_cache_limit.config import cap_of
 from vllm_kv_cache_limit.hooks.cap.ranks import decide_together
+from vllm_kv_cache_limit.hooks.worker_state import Gate, WorkerState
 from vllm_kv_cache_limit.logic.cap_decision import (
     CAP_TOLERANCE,
     FLAG,
@@ -24,26 +24,6 @@ from vllm_kv_cache_limit.logic.sizes import format_gib, format_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
-
-
-@dataclasses.dataclass
-class Gate:
-    """What vLLM's start-up gate asked for in this worker process."""
-
-    device: str
-    total: int
-    free: int
-    """Free memory at the first snapshot."""
-    requested: int
-    """What the worker finally requested (vLLM's budget before non-KV memory)."""
-    limited_by_free: bool
-    """Whether free memory, not ``--gpu-memory-utilization``, set ``requested``."""
-
-
-def gate_of(cache_config: Any) -> Gate | None:
-    """The start-up gate of the worker whose ``cache_config`` this is (set
-    there by its gate hook; a later engine has a config of its own)."""
-    return getattr(cache_config, "_kvcl_gate", None)
 
 
 CPU_GATE_SLACK_FRACTION = 0.01
@@ -114,8 +94,7 @@ def check_cap_fits_instance(
             # vLLM's own profiling runs inside the shared decision too, so a
             # rank where it raises still tells the others.
             budget = original(self, *args, **kwargs)
-            record_worker_cap(self, int(budget), cap)
-            gate = gate_of(self.cache_config)
+            gate = record_worker_cap(self, int(budget), cap).gate
             if gate is not None and gate.limited_by_free:
                 non_kv = gate.requested - int(budget)
                 above = check_cap_within_instance(cap, int(budget), gate.free, non_kv, gate.device)
@@ -149,15 +128,11 @@ def log_cap_within_tolerance(cap: int, budget: int, above: int, device: str) -> 
     )
 
 
-def record_worker_cap(worker: Any, budget: int, cap: int) -> None:
-    """Keep the cap and this worker's budget on the compilation config of
-    the worker's engine: its model runner calls that config's
-    ``resolve_cudagraph_mode_and_sizes`` once the KV cache is sized, and an
-    engine built later in the same process has a config of its own."""
-    worker.vllm_config.compilation_config._kvcl_cap_decision = CapDecision(budget=budget, cap=cap)
-
-
-def cap_decision_of(compilation_config: Any) -> CapDecision | None:
-    """The cap decision of the worker whose engine this compilation config
-    belongs to (None: no cap in force there)."""
-    return getattr(compilation_config, "_kvcl_cap_decision", None)
+def record_worker_cap(worker: Any, budget: int, cap: int) -> WorkerState:
+    """Keep the cap and this worker's budget in the worker's state, which its
+    compilation config also holds: its model runner calls that config's
+    ``resolve_cudagraph_mode_and_sizes`` once the KV cache is sized. Returns
+    the state."""
+    state = WorkerState.of_config(worker.vllm_config, worker, worker.cache_config)
+    state.cap_decision = CapDecision(budget=budget, cap=cap)
+    return state

@@ -16,6 +16,7 @@ from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
 from vllm_kv_cache_limit.hooks.runtime import extensible_tensor, kv_connectors
 from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, optional
+from vllm_kv_cache_limit.hooks.worker_state import WorkerState
 from vllm_kv_cache_limit.hooks.wrap import wrap
 from vllm_kv_cache_limit.logic.errors import KVCacheResizeError
 from vllm_kv_cache_limit.logic.sizes import format_size
@@ -73,12 +74,13 @@ def _remember_measured(original: Callable) -> Callable:
     """Why: under a cap the engine core may extend the cache to the cap's
     reservation while warmup measured room for fewer blocks; this worker
     then commits only what it measured. How: wraps
-    ``measure_kv_cache_blocks``; the result is kept on the cache."""
+    ``measure_kv_cache_blocks``; the result is kept in the worker's state,
+    which the cache and the config then share."""
 
     def measure_kv_cache_blocks(kv_cache: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> int:
         num_blocks = original(kv_cache, vllm_config, *args, **kwargs)
         if cap_of(vllm_config.cache_config) is not None:
-            kv_cache._kvcl_measured = num_blocks
+            WorkerState.of_config(vllm_config, kv_cache).measured = num_blocks
         return num_blocks
 
     return measure_kv_cache_blocks
@@ -89,15 +91,16 @@ def _chunked_before(original: Callable) -> Callable:
         kv_cache = getattr(runner, "extensible_kv_cache", None)
         if kv_cache is None or cap_of(runner.cache_config) is None:
             return original(runner, kv_cache_config, num_blocks, *args, **kwargs)
-        _give_plan(runner, kv_cache)
-        measured = getattr(kv_cache, "_kvcl_measured", None)
+        state = WorkerState.of_config(runner.vllm_config, kv_cache)
+        _give_plan(runner, kv_cache, state)
+        measured = state.measured
         if plan_of(kv_cache) is None or measured is None or measured >= num_blocks:
             result = original(runner, kv_cache_config, num_blocks, *args, **kwargs)
         else:
             result = _extend_committing(
                 original, kv_cache, measured, runner, kv_cache_config, num_blocks, *args, **kwargs
             )
-        kv_cache._kvcl_started = kv_cache.num_committed_blocks
+        state.started = kv_cache.num_committed_blocks
         return result
 
     return extend_kv_cache
@@ -134,7 +137,7 @@ def _extend_committing(original: Callable, kv_cache: Any, measured: int, *args: 
     return result
 
 
-def _give_plan(runner: Any, kv_cache: Any) -> None:
+def _give_plan(runner: Any, kv_cache: Any, state: WorkerState) -> None:
     reason = refusal(runner.vllm_config)
     plan = (
         plan_chunks(
@@ -152,8 +155,7 @@ def _give_plan(runner: Any, kv_cache: Any) -> None:
             layout = runner.cache_config.get_resolved_kv_cache_layout()
             plan = f"the KV cache layout {layout.name} gives it segments that {plan.removeprefix('its segments ')}"
             hint = LAYOUT_HINT
-        kv_cache._kvcl_refusal = plan
-        kv_cache._kvcl_hint = hint
+        state.refusal, state.hint = plan, hint
         logger.warning(
             "KV cache max memory: a run-time limit cannot return GPU memory on this engine: %s. %s", plan, hint
         )
@@ -183,13 +185,14 @@ def chunks_of(kv_cache: Any) -> ChunkPlan:
     """The cache's chunk plan; refuses, naming why, where it has none."""
     plan = plan_of(kv_cache)
     if plan is None:
-        reason = getattr(kv_cache, "_kvcl_refusal", None)
-        if reason is None:
+        state = WorkerState.peek(kv_cache)
+        reason = None if state is None else state.refusal
+        if state is None or reason is None:
             raise KVCacheResizeError(
                 "Cannot return the KV cache's GPU memory above the limit: the KV cache was not mapped in chunks "
                 "(no cap was in force when vLLM extended it). Start the engine with --kv-cache-max-memory."
             )
-        hint = getattr(kv_cache, "_kvcl_hint", NO_RETURN_HINT)
+        hint = state.hint or NO_RETURN_HINT
         raise KVCacheResizeError(f"Cannot return the KV cache's GPU memory above the limit: {reason}. {hint}")
     return plan
 
@@ -276,10 +279,11 @@ def pages(kv_cache: Any, keep: int, num_blocks: int, release: bool) -> int:
 
 def _say_memory_stays(kv_cache: Any) -> None:
     """One line, once per cache: why a lower limit returns no GPU memory here."""
-    if getattr(kv_cache, "_kvcl_said_stays", False):
+    state = WorkerState.of(kv_cache)
+    if state.said_stays:
         return
-    kv_cache._kvcl_said_stays = True
-    reason = getattr(kv_cache, "_kvcl_refusal", None)
+    state.said_stays = True
+    reason = state.refusal
     if reason is None:
         logger.info(
             "KV cache max memory: the extensible KV cache is not mapped in chunks (no cap was in force when vLLM "
@@ -312,7 +316,8 @@ def committable(kv_cache: Any) -> int:
         free, _ = torch.accelerator.get_memory_info(device)
         torch_may_take = max(0, torch_limit - torch.accelerator.memory_reserved(device))
         now = min(now, kv_cache.blocks_within(free + kv_cache.physical_bytes - torch_may_take))
-    started = getattr(kv_cache, "_kvcl_started", kv_cache.capacity_blocks)
+    state = WorkerState.peek(kv_cache)
+    started = kv_cache.capacity_blocks if state is None or state.started is None else state.started
     return min(kv_cache.capacity_blocks, max(started, kv_cache.num_committed_blocks, now))
 
 

@@ -3,6 +3,7 @@ that a run-time limit can release whole (vLLM 0.34+)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -27,24 +28,52 @@ def patch(module: Any) -> None:
     optional(MAP_CHUNK_AT, functools.partial(wrap, module._VirtualBuffer, "_map_chunk_at", _in_chunks))
 
 
-def plan_of(buffer: Any) -> ChunkPlan | None:
-    """The chunk plan a buffer was given, if any."""
+@dataclasses.dataclass
+class BufferChunks:
+    """All the plugin keeps on one of vLLM's ``_VirtualBuffer``s (as
+    ``_kvcl_chunks``): it describes that buffer's mapping, so it stays with
+    the buffer, not in the worker's state (``hooks.worker_state``)."""
+
+    plan: ChunkPlan
+    """The chunks the buffer's runs are mapped as."""
+    unreleased: list[int] = dataclasses.field(default_factory=list)
+    """Driver handles unmapped but not yet released (a driver failure
+    between the two); the next ``unmap`` releases them first."""
+
+
+def buffer_chunks(buffer: Any) -> BufferChunks | None:
+    """What the plugin keeps on a buffer given a chunk plan (None: none given)."""
     return getattr(buffer, "_kvcl_chunks", None)
 
 
+def plan_of(buffer: Any) -> ChunkPlan | None:
+    """The chunk plan a buffer was given, if any."""
+    chunks = buffer_chunks(buffer)
+    return None if chunks is None else chunks.plan
+
+
 def give_plan(buffer: Any, plan: ChunkPlan) -> None:
-    buffer._kvcl_chunks = plan
+    """Map the buffer's runs by ``plan`` from now on (handles still to
+    release stay listed)."""
+    chunks = buffer_chunks(buffer)
+    if chunks is None:
+        buffer._kvcl_chunks = BufferChunks(plan)
+    else:
+        chunks.plan = plan
 
 
 def unmap(buffer: Any, entries: list[tuple[int, int, int]]) -> None:
     """Unmap and release the ``(handle, offset, size)`` chunks of a buffer
-    and forget them (its handles and mapped granules), as vLLM's
+    given a chunk plan and forget them (its handles and mapped granules), as vLLM's
     ``release_physical`` does for all of them. Each is forgotten once it is
     unmapped, so that after a driver failure the buffer still names every
     chunk mapped and a later call can return them; a handle unmapped but
     not released is released first by the next call."""
     driver = buffer._driver
-    unreleased: list[int] = buffer.__dict__.setdefault("_kvcl_unreleased", [])
+    chunks = buffer_chunks(buffer)
+    if chunks is None:
+        raise RuntimeError("the plugin unmaps chunks only of a buffer it gave a chunk plan")
+    unreleased = chunks.unreleased
     while unreleased:
         driver.release(unreleased[0])
         unreleased.pop(0)

@@ -14,6 +14,7 @@ from vllm.logger import init_logger
 from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.hooks.runtime import extensible_kv_cache
 from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional
+from vllm_kv_cache_limit.hooks.worker_state import WorkerState
 from vllm_kv_cache_limit.logic import limit_math
 from vllm_kv_cache_limit.logic.kv_cache import (
     MADV_DONTNEED,
@@ -106,11 +107,9 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool, l
             advice = MADV_DONTNEED  # no MADV_FREE here (before Linux 4.5, or not private anonymous memory)
         if advice == MADV_DONTNEED:
             _madvise_all(ranges, MADV_DONTNEED)
-        if lazy:
-            # Lazily freed pages stay in RSS, as LazyFree, until the kernel takes them.
-            self._kvcl_rss_fall = held - self_held_bytes()
-        else:
-            self._kvcl_rss_fall = held - rss_bytes()
+        state = WorkerState.of(self)  # the state its cap hooks attached, under a cap
+        # Lazily freed pages stay in RSS, as LazyFree, until the kernel takes them.
+        state.rss_fall = held - (self_held_bytes() if lazy else rss_bytes())
         # The range is address space; only its pages ever written are memory.
         logger.info(
             "KV cache pages of blocks %d-%d released%s: %s fell by %d bytes (a range of %d bytes, %d of them resident).",
@@ -118,7 +117,7 @@ def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool, l
             num_blocks - 1,
             " lazily" if advice == MADV_FREE else "",
             "RSS less LazyFree" if lazy else "RSS",
-            self._kvcl_rss_fall,
+            state.rss_fall,
             sum(end - start for start, end in ranges),
             resident,
         )
