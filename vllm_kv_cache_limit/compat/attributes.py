@@ -20,7 +20,7 @@ ATTRIBUTES: tuple[Attribute, ...] = (
                 "vllm.v1.worker.worker_base",
                 "WorkerBase",
                 "vllm_config",
-                "`worker_gate.record_worker_cap`: the worker's config, where its cap decision is kept",
+                "`worker_gate.record_worker_cap`: the worker's config, which holds the worker's state",
             ),
             (
                 "vllm.v1.worker.worker_base",
@@ -32,7 +32,15 @@ ATTRIBUTES: tuple[Attribute, ...] = (
                 "vllm.config.vllm",
                 "VllmConfig",
                 "compilation_config",
-                "`worker_gate.record_worker_cap`: the worker's cap decision is kept on it",
+                "`WorkerState.of_config`: holds the worker's state, for the cap decision where vLLM resolves "
+                "the CUDA graph sizes",
+            ),
+            (
+                "vllm.config.vllm",
+                "VllmConfig",
+                "cache_config",
+                "`WorkerState.of_config`: holds the worker's state, for the gate where the GPU worker's start-up "
+                "gate runs",
             ),
             (
                 "vllm.config.cache",
