@@ -2,12 +2,13 @@
 autoscaled caches have committed (issue 49, item 5), checked at every
 instant: after each call that commits or returns memory on the device (the
 VMM stand-in's ``cuMemCreate``, ``cuMemMap``, ``cuMemUnmap``,
-``cuMemRelease``) and after each write of a ledger entry, from the end of
-start-up on (the window before an instance's first entry is not covered),
-through a grow, a give-back drained under requests, a
-release the device fails and its retry, and shutdown. vLLM's own extensible
-KV cache, block pool, scheduler and ``EngineCore.step`` run through the
-plugin, as in ``test_extensible_resize``; only the driver is the stand-in.
+``cuMemRelease``) and after each write of a ledger entry, from the start
+of each instance's start-up (vLLM commits its whole allocation before the
+plugin can lower it: the entry reserves it first), through a grow, a
+give-back drained under requests, a release the device fails and its
+retry, and shutdown. vLLM's own extensible KV cache, block pool, scheduler
+and ``EngineCore.step`` run through the plugin, as in
+``test_extensible_resize``; only the driver is the stand-in.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from tests.cuda_wheel import test_extensible_resize as resize
 from tests.cuda_wheel import test_resize_scheduler as sched
 from tests.cuda_wheel.conftest import FakeGPU
 from tests.cuda_wheel.vmm_standin import HostVmmDriver, VmmRuleError
+from vllm_kv_cache_limit.hooks.cap.engine_core import _hold_startup_lock
 from vllm_kv_cache_limit.hooks.runtime import autoscaler
-from vllm_kv_cache_limit.hooks.runtime.engine_core import start_autoscaling
 from vllm_kv_cache_limit.hooks.runtime.limit import RuntimeLimit
 from vllm_kv_cache_limit.logic import budget_ledger, envs
 
@@ -43,9 +44,6 @@ class Invariant:
         self.phase = "start-up"
         self.broken: list[str] = []
         self.checks = 0
-        self.paused = False
-        """vLLM's own allocation at start-up, before the plugin's start of
-        autoscaling can write an entry: not checked (see ``_autoscaled``)."""
 
     def ledger(self) -> int:
         total = 0
@@ -57,8 +55,6 @@ class Invariant:
         return total
 
     def check(self, event: str) -> None:
-        if self.paused:
-            return
         self.checks += 1
         ledger, committed = self.ledger(), self.driver.physical_bytes
         if ledger < committed:
@@ -90,24 +86,32 @@ class Invariant:
         assert not self.broken, "\n".join(self.broken)
 
 
-def _autoscaled(tiny_model: str, invariant: Invariant) -> EngineCore:
+def _autoscaled(tiny_model: str, invariant: Invariant, monkeypatch: pytest.MonkeyPatch) -> EngineCore:
     """An autoscaled engine under the shared budget, started as the plugin
-    starts one: its cache allocated by vLLM (the whole reservation, before
-    any entry: not checked, the start-up gate admitted it), then autoscaling
-    started; the invariant is checked from its entry's first write on."""
-    invariant.paused = True
-    try:
-        core = resize._engine(tiny_model)
-        cache_config = core.vllm_config.cache_config
-        setattr(cache_config, autoscaler.AUTOSCALE, True)
-        setattr(cache_config, autoscaler.MIN_MEMORY, None)
-        setattr(cache_config, autoscaler.SHARED_BUDGET, BUDGET)
-        # Not checked until the entry is written: the start-up allocation
-        # is not reserved in the ledger before vLLM commits it (open).
-        start_autoscaling(core)
-    finally:
-        invariant.paused = False
-    invariant.check("the start of autoscaling")
+    starts one: the plugin's wrapper of ``EngineCore.__init__``
+    (``_hold_startup_lock``) around what vLLM's ``__init__`` does to the KV
+    cache (its extensible KV cache allocated and extended to the whole
+    reservation by vLLM's own code: ``resize._engine``), then the start of
+    autoscaling it runs before the start-up lock is released. Checked at
+    every event, vLLM's allocation included."""
+    scheduler = sched._scheduler(tiny_model)
+    vllm_config = scheduler.vllm_config
+    cache_config = vllm_config.cache_config
+    cache_config.kv_cache_max_memory = resize.NUM_BLOCKS * BPB  # the cap, as the plugin's argument sets it
+    setattr(cache_config, autoscaler.AUTOSCALE, True)
+    setattr(cache_config, autoscaler.MIN_MEMORY, None)
+    setattr(cache_config, autoscaler.SHARED_BUDGET, BUDGET)
+    invariant.phase = "start-up"
+
+    def vllm_init(self: EngineCore, config: Any) -> None:
+        assert config is vllm_config
+        with monkeypatch.context() as patched:
+            patched.setattr(sched, "_scheduler", lambda model, prefix_caching=False: scheduler)
+            self.__dict__.update(resize._engine(tiny_model).__dict__)
+
+    core = object.__new__(EngineCore)
+    _hold_startup_lock(vllm_init)(core, vllm_config)
+    assert invariant.driver.physical_bytes > 0, "the premise: vLLM committed the cache"
     scaler = resize._scaler(core)
     scaler.stop.set()
     if scaler.timer is not None:
@@ -141,8 +145,8 @@ def test_the_ledger_holds_at_least_what_the_device_commits_at_every_step(
     invariant.install(monkeypatch)
     first = second = None
     try:
-        first = _autoscaled(tiny_model, invariant)
-        second = _autoscaled(tiny_model, invariant)
+        first = _autoscaled(tiny_model, invariant, monkeypatch)
+        second = _autoscaled(tiny_model, invariant, monkeypatch)
         floor = resize._scaler(first).floor
         assert floor == CHUNK and driver.physical_bytes == 2 * floor * BPB  # the premise: both at their floor
         now = time.monotonic()

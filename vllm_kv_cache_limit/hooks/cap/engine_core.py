@@ -15,7 +15,7 @@ from vllm_kv_cache_limit.compat import Hook
 from vllm_kv_cache_limit.config import cap_of
 from vllm_kv_cache_limit.hooks.apply import hook_ok, name_cap_when_refused
 from vllm_kv_cache_limit.hooks.devices import instance_devices
-from vllm_kv_cache_limit.hooks.runtime import engine_entry
+from vllm_kv_cache_limit.hooks.runtime import engine_entry, shared_budget
 from vllm_kv_cache_limit.hooks.wrap import wrap
 from vllm_kv_cache_limit.logic import startup_lock
 from vllm_kv_cache_limit.logic.cap_decision import (
@@ -70,9 +70,15 @@ def _hold_startup_lock(original: Callable) -> Callable:
 
         def start() -> None:
             _active.committed = None
-            original(self, vllm_config, *args, **kwargs)
-            _start_at_committed(self)
-            _start_autoscaling(self, vllm_config)
+            reservation = shared_budget.reserve(vllm_config)  # before vLLM commits the KV cache
+            try:
+                original(self, vllm_config, *args, **kwargs)
+                _start_at_committed(self)
+                _start_autoscaling(self, vllm_config, reservation)
+            except BaseException:
+                if reservation is not None:
+                    shared_budget.leave_after_failure(self, reservation)
+                raise
             engine_entry.start(self, vllm_config)
 
         try:
@@ -117,20 +123,23 @@ def _start_at_committed(engine_core: Any) -> None:
     _active.committed = None
     if committed is None:
         return
-    from vllm_kv_cache_limit.hooks.runtime.engine_core import start_at
+    from vllm_kv_cache_limit.hooks.runtime.utility_methods import start_at
 
     start_at(engine_core, committed)
 
 
-def _start_autoscaling(engine_core: Any, vllm_config: Any) -> None:
+def _start_autoscaling(
+    engine_core: Any, vllm_config: Any, reservation: shared_budget.Reservation | None = None
+) -> None:
     """With ``--kv-cache-autoscale``, start it before the start-up lock is
-    released (its pages above the floor go back first); fail closed when
-    run-time resize is not there to do it."""
+    released (its pages above the floor go back first, then its entries
+    fall from the ``reservation``); fail closed when run-time resize is not
+    there to do it."""
     if not getattr(vllm_config.cache_config, "kv_cache_autoscale", False):
         return
     from vllm_kv_cache_limit.hooks.runtime.engine_core import start_autoscaling
 
-    start_autoscaling(engine_core)  # refuses, naming the hook, where resizing cannot work
+    start_autoscaling(engine_core, reservation)  # refuses, naming the hook, where resizing cannot work
 
 
 def _cap_kv_cache_configs(original: Callable) -> Callable:

@@ -17,15 +17,15 @@ from vllm_kv_cache_limit.hooks.runtime import (
     autoscaler,
     committable,
     engine_entry,
-    extensible_kv_cache,
     shared_budget,
+    utility_methods,
     wakeups,
 )
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import Autoscaler
 from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional, require_hooks
-from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState, RuntimeLimit, allocation_of, pages_of
+from vllm_kv_cache_limit.hooks.runtime.limit import EngineCoreState, RuntimeLimit, allocation_of
 from vllm_kv_cache_limit.hooks.wrap import wrap
-from vllm_kv_cache_limit.logic import limit_math
+from vllm_kv_cache_limit.logic import autoscale_policy, limit_math
 from vllm_kv_cache_limit.logic.autoscale_policy import (
     Hysteresis,
     Policy,
@@ -34,7 +34,7 @@ from vllm_kv_cache_limit.logic.autoscale_policy import (
     shrink_after_s,
 )
 from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError, KVCacheResizeError
-from vllm_kv_cache_limit.logic.sizes import format_size, suggest_size
+from vllm_kv_cache_limit.logic.sizes import format_size
 
 # Under the "vllm" logger so that vLLM's logging configuration applies.
 logger = init_logger("vllm.plugins.kv_cache_limit")
@@ -46,8 +46,8 @@ def patch(module: Any) -> None:
     which calls an ``EngineCore`` method by name. How: adds two methods."""
 
     def apply() -> None:
-        module.EngineCore.kv_cache_limit_set = _kv_cache_limit_set
-        module.EngineCore.kv_cache_limit_status = _kv_cache_limit_status
+        module.EngineCore.kv_cache_limit_set = utility_methods.kv_cache_limit_set
+        module.EngineCore.kv_cache_limit_status = utility_methods.kv_cache_limit_status
         module.EngineCore.kv_cache_limit_announce = engine_entry.set_status_url
 
     optional(ENGINE_CORE, apply)
@@ -71,7 +71,7 @@ def _release_after(original: Callable) -> Callable:
     the original runs alone."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        limit = _limit_of(self)
+        limit = utility_methods.limit_of(self)
         if limit is None:
             return original(self, *args, **kwargs)
         state = EngineCoreState.of(self)
@@ -99,7 +99,7 @@ def _autoscale_after_request(original: Callable) -> Callable:
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        if _autoscaler_of(self) is not None and not EngineCoreState.of(self).in_step:
+        if utility_methods.autoscaler_of(self) is not None and not EngineCoreState.of(self).in_step:
             _between_steps(self)
         return result
 
@@ -155,10 +155,10 @@ def _between_steps(engine_core: Any, limit: RuntimeLimit | None = None) -> None:
     """What an engine core does between steps: the autoscaler's decision,
     then the release of the pages above the limit once it holds. ``limit``:
     the engine core's, when the caller has it already (one per block pool)."""
-    limit = limit if limit is not None else _limit_of(engine_core)
+    limit = limit if limit is not None else utility_methods.limit_of(engine_core)
     if limit is None:
         return
-    scaler = _autoscaler_of(engine_core)
+    scaler = utility_methods.autoscaler_of(engine_core)
     if scaler is not None:
         # A release due first, so that the decision's ledger entry falls to
         # what the workers hold after it, never before the memory goes.
@@ -167,170 +167,13 @@ def _between_steps(engine_core: Any, limit: RuntimeLimit | None = None) -> None:
     limit.release_if_due()
 
 
-def _autoscaler_of(engine_core: Any) -> Autoscaler | None:
-    """The engine core's autoscaler, once started (``--kv-cache-autoscale``)."""
-    state = EngineCoreState.peek(engine_core)
-    return None if state is None else state.autoscaler
-
-
-def _limit_of(engine_core: Any) -> RuntimeLimit | None:
-    """The run-time limit on an engine core's block pool, if one was set."""
-    manager = getattr(engine_core.scheduler, "kv_cache_manager", None)  # None: a model without KV cache
-    return None if manager is None else RuntimeLimit.of(manager.block_pool)
-
-
-def _pool(engine_core: Any) -> Any:
-    return engine_core.scheduler.kv_cache_manager.block_pool
-
-
-def _kv_cache_limit_set(self: Any, nbytes: int, mode: str) -> dict[str, Any]:
-    """Apply a new limit of ``nbytes`` per worker; returns the status at once
-    (the client polls until it holds). Errors come back as ``{"error": ...}``
-    so that the client raises them with their message. While autoscaling,
-    ``nbytes`` is the ceiling the autoscaler stays under."""
-    scaler = _autoscaler_of(self)
-    if scaler is None:
-        return _set_limit(self, nbytes, mode)
-    try:
-        require_hooks()
-        mode = limit_math.parse_mode(mode)
-        ceiling = limit_math.limit_for(int(nbytes), scaler.allocation)
-        if ceiling < scaler.floor:
-            floor = scaler.floor * scaler.allocation.bytes_per_block
-            raise KVCacheResizeError(
-                f"Cannot set the KV cache limit to {format_size(int(nbytes))} ({nbytes} bytes) while autoscaling: "
-                f"it is below the floor, --kv-cache-min-memory {format_size(floor)} ({floor} bytes). Choose a "
-                f"size of at least {suggest_size(floor, scaler.allocation.nbytes)}."
-            )
-    except KVCacheResizeError as exc:
-        return {"error": str(exc)}
-    limit = _limit_of(self)
-    if limit is not None and limit.limit > ceiling:
-        # The limit first: refused or failed, the ceiling stays as it was
-        # (all of the change or none of it).
-        reply = _set_limit(self, ceiling * scaler.allocation.bytes_per_block, mode)
-        if limit_math.is_error(reply):
-            return reply
-    scaler.ceiling = ceiling
-    logger.info(
-        "KV cache autoscale: ceiling set to %s per worker (%d blocks); the autoscaler stays under it.",
-        format_size(int(nbytes)),
-        ceiling,
-    )
-    return _kv_cache_limit_status(self)  # with the new ceiling
-
-
-def _set_limit(self: Any, nbytes: int, mode: str, log: bool = True, lazy: bool = False) -> dict[str, Any]:
-    """Set the limit to ``nbytes`` per worker (as ``kv_cache_limit_set``
-    without autoscaling); the autoscaler logs its own line (``log=False``).
-    ``lazy``: the pages above the new limit go back lazily (``MADV_FREE``)
-    once it holds, else at once."""
-    try:
-        require_hooks()
-        mode = limit_math.parse_mode(mode)
-        pool = _pool(self)
-        limit = RuntimeLimit.of(pool)
-        allocation = limit.allocation if limit else allocation_of(self)
-        new = limit_math.limit_for(int(nbytes), allocation)
-        current = limit.limit if limit else allocation.num_blocks
-        if new < current:
-            _refuse_unreturnable(self, nbytes)
-        elif new > current:
-            committable.refuse_above(self, int(nbytes), new, current, allocation.bytes_per_block)
-    except KVCacheResizeError as exc:
-        return {"error": str(exc)}
-    if limit is None:
-        limit = RuntimeLimit.attach(pool, allocation, pages_of(self))
-    old_requested = limit.requested
-    try:
-        old = limit.change(new, int(nbytes), mode, self.scheduler, lazy)
-    except Exception as exc:  # restored by ``change``: nothing half applied
-        logger.exception(
-            "Changing the KV cache limit to %s failed; it stays at %d blocks.", format_size(int(nbytes)), limit.limit
-        )
-        return {
-            "error": (
-                f"Changing the KV cache limit to {format_size(int(nbytes))} failed inside vLLM "
-                f"({type(exc).__name__}: {exc}); the limit stays at {format_size(old_requested)} ({limit.limit} blocks)."
-            ),
-            "failed": True,
-        }
-    if log:
-        logger.info(
-            "KV cache limit set to %s per worker (%d of %d blocks, %s), mode %s; was %d blocks.",
-            format_size(int(nbytes)),
-            new,
-            allocation.num_blocks,
-            format_size(new * allocation.bytes_per_block),
-            mode,
-            old,
-        )
-    limit.release_if_due()  # nothing above the limit in use (idle, or all preempted)
-    return _kv_cache_limit_status(self)
-
-
-def start_at(engine_core: Any, committed: int) -> None:
-    """Start with a run-time limit at the ``committed`` blocks of a block
-    pool that covers the cap's reservation (vLLM 0.34's extensible KV cache
-    with warmup leaving room for fewer blocks than the cap): the limit can
-    grow to the cap later, committing GPU memory as it does."""
-    allocation = allocation_of(engine_core)
-    reply = _set_limit(engine_core, committed * allocation.bytes_per_block, "drain", log=False)
-    if limit_math.is_error(reply):
-        raise KVCacheMaxMemoryError(
-            f"The KV cache could not start at the {committed} blocks committed after warmup: {reply['error']}"
-        )
-
-
-def _refuse_unreturnable(engine_core: Any, nbytes: int) -> None:
-    """Refuse a lower limit where the workers' extensible KV cache cannot
-    give the memory above it back (a feature needs its whole mapping)."""
-    reason = extensible_kv_cache.refusal(engine_core.vllm_config)
-    if reason is not None:
-        raise KVCacheResizeError(
-            f"Cannot lower the KV cache limit to {format_size(int(nbytes))} ({nbytes} bytes): {reason}, so the "
-            f"GPU memory above the limit could not be returned. {extensible_kv_cache.NO_RETURN_HINT}"
-        )
-
-
-def _kv_cache_limit_status(self: Any) -> dict[str, Any]:
-    """The limit in force and the blocks in use; only reads (the engine core
-    releases the pages itself, see ``_release_after``)."""
-    try:
-        require_hooks()
-    except KVCacheResizeError as exc:
-        return {"error": str(exc)}
-    pool = _pool(self)
-    limit = RuntimeLimit.of(pool)
-    if limit is None:  # none set yet: read, attach nothing
-        limit = RuntimeLimit.whole(pool, allocation_of(self), pages_of(self))
-    in_use, above = limit.usage()
-    status = limit_math.status(
-        limit.allocation, limit.limit, limit.requested, limit.mode, in_use, above, limit.released_bytes
-    )
-    running, waiting = _request_counts(self.scheduler)
-    status.update(num_requests_running=running, num_requests_waiting=waiting, last_change_at=limit.changed_at)
-    most = committable.most_blocks(self, limit.limit)
-    status["kv_cache_committable_bytes"] = None if most is None else most * limit.allocation.bytes_per_block
-    scaler = _autoscaler_of(self)
-    status["autoscale"] = None if scaler is None else scaler.status()
-    return status
-
-
-def _request_counts(scheduler: Any) -> tuple[int | None, int | None]:
-    """Requests the scheduler runs and keeps waiting (None where it cannot say)."""
-    try:
-        running, waiting = scheduler.get_request_counts()
-        return int(running), int(waiting)
-    except Exception:
-        return None, None
-
-
-def start_autoscaling(self: Any) -> None:
+def start_autoscaling(self: Any, reservation: shared_budget.Reservation | None = None) -> None:
     """With ``--kv-cache-autoscale``: once the KV cache is allocated (the
-    start-up lock still held), take a place in the shared budget's ledger,
-    set the limit to the floor and return the pages above it to the OS, so
-    the next instance's start-up measures memory without them."""
+    start-up lock still held), set the limit to the floor and return the
+    pages above it to the OS, so the next instance's start-up measures
+    memory without them, then join the shared budget's ledger, its entries
+    (``reservation``: those that held the start-up allocation) falling to
+    what the workers still commit."""
     vllm_config = self.vllm_config
     cache_config = vllm_config.cache_config
     if not getattr(cache_config, autoscaler.AUTOSCALE, False):
@@ -340,7 +183,7 @@ def start_autoscaling(self: Any) -> None:
     except KVCacheResizeError as exc:
         raise KVCacheMaxMemoryError(f"--kv-cache-autoscale cannot work in this vLLM: {exc}") from None
     allocation = allocation_of(self)
-    floor = autoscaler.floor_blocks(getattr(cache_config, autoscaler.MIN_MEMORY), allocation)
+    floor = autoscale_policy.floor_blocks(getattr(cache_config, autoscaler.MIN_MEMORY), allocation)
     groups = []
     for group in self.scheduler.kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -349,7 +192,7 @@ def start_autoscaling(self: Any) -> None:
         allocation=allocation,
         hysteresis=Hysteresis(Policy(floor, allocation.blocks_per_request, shrink_after_s())),
         ceiling=allocation.num_blocks,
-        set_limit=functools.partial(_set_limit, log=False),
+        set_limit=functools.partial(utility_methods.set_limit, log=False),
         committable=committable.committable_of,
         group_caps=groups,
         max_model_len=allocation.max_model_len,
@@ -359,10 +202,10 @@ def start_autoscaling(self: Any) -> None:
     bpb = allocation.bytes_per_block
     # The floor first, its pages above returned, then the ledger: its entry
     # holds what the workers still commit from its first write.
-    reply = _set_limit(self, floor * bpb, "drain", log=False)
+    reply = utility_methods.set_limit(self, floor * bpb, "drain", log=False)
     if limit_math.is_error(reply):
         raise KVCacheMaxMemoryError(f"--kv-cache-autoscale could not set the limit to its floor: {reply['error']}")
-    limit = _limit_of(self)
+    limit = utility_methods.limit_of(self)
     assert limit is not None
     scaler.held = floor
     if scaler.budget is not None:
@@ -371,7 +214,12 @@ def start_autoscaling(self: Any) -> None:
 
         cpu = current_platform.is_cpu()
         scaler.device_bytes_per_block = device_bytes_per_block(allocation, len(devices), workers, cpu)
-        shared_budget.join(scaler, [(d.key, d.label) for d in devices], committed=functools.partial(_held, limit))
+        shared_budget.join(
+            scaler,
+            [(d.key, d.label) for d in devices],
+            committed=functools.partial(_held, limit),
+            reservation=reservation,
+        )
     state = EngineCoreState.of(self)
     state.autoscaler = scaler
     logger.info(
@@ -469,7 +317,7 @@ KV_CACHE_SPEC_MAX_MEMORY_USAGE_BYTES = Hook(
     ("vllm.v1.kv_cache_interface",), "KVCacheSpec.max_memory_usage_bytes", ("self", "vllm_config")
 )
 
-# Called, not wrapped: the status's running and waiting requests (``_request_counts``;
+# Called, not wrapped: the status's running and waiting requests (``utility_methods.request_counts``;
 # None where it fails).
 SCHEDULER_GET_REQUEST_COUNTS = Hook(("vllm.v1.core.sched.scheduler",), "Scheduler.get_request_counts", ("self",))
 
