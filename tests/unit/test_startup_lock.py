@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -208,3 +209,17 @@ def test_a_file_system_without_locks_never_fails_start_up(
         held = startup_lock.acquire([("cpu-node0", "node 0")], folder=str(tmp_path), timeout=1)
     assert held.held == []
     assert "No KV cache start-up lock for node 0" in caplog.text and "No locks available" in caplog.text
+
+
+def test_a_lock_file_is_created_0666_whatever_the_umask(tmp_path: Path) -> None:
+    """Other users' instances on the device lock it too: the mode is set in
+    the shared folders' one place (``shared_folder.open_regular``)."""
+    old = os.umask(0o077)
+    try:
+        fd = startup_lock.open_lock_file(str(tmp_path / "locks"), "cpu-node0")
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o666
+    finally:
+        os.close(fd)

@@ -21,7 +21,6 @@ No vLLM import here: the vLLM glue in ``hooks.devices`` names the devices.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
@@ -32,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from vllm_kv_cache_limit.logic import envs
-from vllm_kv_cache_limit.logic.shared_folder import LockSetupError, open_folder
+from vllm_kv_cache_limit.logic.shared_folder import LockSetupError, open_folder, open_regular
 
 logger = logging.getLogger("vllm.plugins.kv_cache_limit")
 
@@ -87,33 +86,20 @@ def open_lock_file(folder: str, key: str) -> int:
     """Open the lock file of ``key`` in ``folder``: created if missing, never
     through a symbolic link, and only if it is a regular file."""
     dir_fd = open_lock_folder(folder)
+    name = lock_name(key)
     try:
-        name = lock_name(key)
-        try:
-            fd = os.open(
-                name,
-                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o666,
-                dir_fd=dir_fd,
-            )
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise LockSetupError(
-                    f"the lock file {os.path.join(folder, name)} is a symbolic link; "
-                    f"remove it or set {LOCK_DIR_ENV} to another folder"
-                ) from None
-            raise
+        # 0666 whatever the umask: other users of the device lock it too.
+        fd = open_regular(dir_fd, name, os.O_RDWR | os.O_CREAT, 0o666)
+        link = fd is None and stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except FileNotFoundError:
+        fd, link = None, False
     finally:
         os.close(dir_fd)
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise LockSetupError(f"the lock file {os.path.join(folder, name)} is not a regular file")
-    if info.st_uid == os.geteuid():
-        try:
-            os.fchmod(fd, 0o666)  # other users of the device lock it too
-        except OSError:
-            pass
+    if fd is None:
+        what = "is a symbolic link" if link else "is not a regular file"
+        raise LockSetupError(
+            f"the lock file {os.path.join(folder, name)} {what}; remove it or set {LOCK_DIR_ENV} to another folder"
+        )
     return fd
 
 
