@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm-kv-sim: error: {exc}", file=sys.stderr)
         return 2
     for result in results:
-        result.pop("timelines", None)
+        for key in ("timelines", "limits", "records"):
+            result.pop(key, None)
     if args.json:
         print(json.dumps({"budget_bytes": setup.budget_bytes, "scenarios": results}, indent=2))
     else:

@@ -10,12 +10,12 @@ requests; while it has none its autoscaler still decides every
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_kv_cache_limit.hooks.runtime import utility_methods
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import TICK_S
 from vllm_kv_cache_limit.sim.clock import VirtualClock
-from vllm_kv_cache_limit.sim.instance import Instance
+from vllm_kv_cache_limit.sim.instance import SAMPLE_S, Instance
 
 
 @dataclass
@@ -29,6 +29,8 @@ class Device:
     free_at: float = 0.0
     """When the device ends the step it runs."""
     steps: int = 0
+    limits: list[tuple[float, list[int]]] = field(default_factory=list)
+    """(time, every instance's limit in blocks) after a step or an idle decision, at most one per ``SAMPLE_S``."""
 
     def run(self) -> None:
         """Every instance's traffic through vLLM's scheduler, until all
@@ -54,6 +56,7 @@ class Device:
                 continue
             took = instance.step(self.clock.now)
             self.steps += 1
+            self.sample()
             if took > 0:
                 self.free_at = self.clock.now
 
@@ -89,3 +92,10 @@ class Device:
             limit.release_if_due()
             scaler.tick(instance.core, limit, self.clock.now)
             instance.sample(self.clock.now)
+        self.sample()
+
+    def sample(self) -> None:
+        """Every instance's limit at the same instant."""
+        now = self.clock.now
+        if not self.limits or now - self.limits[-1][0] >= SAMPLE_S:
+            self.limits.append((now, [instance.limit_blocks() for instance in self.instances]))

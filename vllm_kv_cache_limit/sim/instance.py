@@ -270,6 +270,12 @@ class Instance:
         self.sample(now)
         return took
 
+    def limit_blocks(self) -> int:
+        """The blocks its scheduler may hand out now (the run-time limit, or the whole allocation), null block included."""
+        pool = self.core.scheduler.kv_cache_manager.block_pool
+        limit = RuntimeLimit.of(pool)
+        return int(pool.num_gpu_blocks if limit is None else limit.limit)
+
     def sample(self, now: float) -> None:
         """The timeline's point at ``now``, at most one per ``SAMPLE_S``."""
         if self.timeline and now - self.timeline[-1][0] < SAMPLE_S:
@@ -277,9 +283,8 @@ class Instance:
         pool = self.core.scheduler.kv_cache_manager.block_pool
         limit = RuntimeLimit.of(pool)
         withheld = 0 if limit is None else len(limit.withheld)
-        blocks = pool.num_gpu_blocks if limit is None else limit.limit
         used = pool.num_gpu_blocks - limit_math.NULL_BLOCKS - pool.get_num_free_blocks() - withheld
-        self.timeline.append((now, blocks, used, len(self.core.scheduler.waiting)))
+        self.timeline.append((now, self.limit_blocks(), used, len(self.core.scheduler.waiting)))
 
     @property
     def preemptions(self) -> int:

@@ -143,4 +143,6 @@ def run(name: str, setup: Setup) -> dict[str, Any]:
     result["goodput_req_s"] = sum(i["goodput_req_s"] for i in result["instances"].values())
     result["device_busy"] = sum(i.busy_s for i in instances) / span if span else 0.0
     result["timelines"] = {i.spec.name: i.timeline for i in instances}
+    result["limits"] = device.limits
+    result["records"] = {i.spec.name: list(i.records.values()) for i in instances}
     return result

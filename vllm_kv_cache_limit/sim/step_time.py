@@ -36,7 +36,7 @@ class Batch:
 
 
 class StepTimeModel(Protocol):
-    """Seconds the device takes for one step of ``batch``."""
+    """Seconds the device takes for one step of ``batch`` (0 for an empty one: no model runs)."""
 
     @property
     def name(self) -> str: ...
@@ -66,6 +66,8 @@ class LinearStepTime:
             raise StepTimeError("the linear step time is 0 for every batch (a=b=c=0); give a > 0, for example a=0.005.")
 
     def seconds(self, batch: Batch) -> float:
+        if batch.empty:  # vLLM runs no model for a step that schedules nothing
+            return 0.0
         return self.a + self.b * batch.decode_requests + self.c * batch.prefill_tokens
 
     def describe(self) -> str:
