@@ -32,7 +32,7 @@ import requests
 
 from tests.e2e.conftest import api_servers, budget_server_args, engine_env
 from tests.helpers import CompletionLoad, Periodic, ledger_holds, live_ledger_entries, metric
-from vllm_kv_cache_limit.logic.sizes import format_size
+from vllm_kv_cache_limit.logic.sizes import parse_size
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.smoke]  # autoscaling is the plugin's; every CPU build
 
@@ -261,7 +261,10 @@ def test_manual_resize_sets_the_ceiling_the_autoscaler_stays_under(pair: dict[st
     assert max(seen) == ceiling and not on_a.failures, (seen, on_a.failures[:3])
     # Below the floor (here one request of max_model_len, the default): refused, the ceiling kept.
     refused = requests.post(a + ROUTE, json={"size": "1M"}, timeout=180)
-    assert refused.status_code == 400 and f"at least {format_size(floor)}" in refused.text, refused.text
+    # The suggestion is a size that is accepted: at least the floor, as written.
+    suggested = re.search(r"Choose a size of at least (\S+) \((\d+) bytes\)", refused.text)
+    assert refused.status_code == 400 and suggested and int(suggested[2]) == floor, refused.text
+    assert parse_size(suggested[1]) >= floor, refused.text
     assert status(a)["autoscale"]["ceiling_bytes"] == ceiling
     back = requests.post(a + ROUTE, json={"size": f"{CAP // MiB}M"}, timeout=180)
     assert back.status_code == 200 and back.json()["autoscale"]["ceiling_bytes"] == CAP, back.text

@@ -33,7 +33,10 @@ def test_the_release_line_reports_the_resident_memory_not_the_range(
     from vllm_kv_cache_limit.hooks.runtime import worker
 
     register()
-    kv_cache = torch.empty((BLOCKS, BLOCK), dtype=torch.uint8)  # mapped, not yet memory
+    # Fresh anonymous pages, mapped and not yet memory (torch.empty may reuse
+    # pages an earlier test of this process wrote, already resident).
+    area = mmap.mmap(-1, BLOCKS * BLOCK)
+    kv_cache = torch.frombuffer(area, dtype=torch.uint8).view(BLOCKS, BLOCK)
     keep, written = 8, 12  # blocks 8..11 written, 12..63 never
     kv_cache[:written].fill_(1)
     # The premise: far less of the range is resident than the range.
