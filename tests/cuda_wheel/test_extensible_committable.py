@@ -8,19 +8,15 @@ and the device's free memory the faked GPU's reading.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-import vllm.v1.worker.extensible_kv_cache as vllm_extensible
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.worker.extensible_kv_cache import ExtensibleKVCache
 
 from tests.cuda_wheel import test_extensible_resize as resize
 from tests.cuda_wheel import test_resize_scheduler as sched
@@ -63,33 +59,7 @@ def _engine(
     vllm_config = scheduler.vllm_config
     vllm_config.cache_config.enable_extensible_kv_cache = True
     vllm_config.cache_config.kv_cache_max_memory = cap
-    cache = ExtensibleKVCache(config, torch.device("cuda:0"), layout)
-    cache.allocate(cache.size)
-    runner = SimpleNamespace(
-        vllm_config=vllm_config,
-        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout, kv_cache_max_memory=cap),
-        extensible_kv_cache=cache,
-        kv_cache_config=copy.copy(config),
-        kernel_block_sizes=None,
-        attn_groups=[],
-        speculator=None,
-        kv_caches_by_layer={},
-        kv_caches=[],
-        device=torch.device("cuda:0"),
-        compilation_config=SimpleNamespace(static_forward_context={}),
-    )
-    if measure_with is not None:
-        vllm_extensible.measure_kv_cache_blocks(
-            cache,
-            vllm_config,
-            torch.device("cuda:0"),
-            init_free_memory=measure_with.free,
-            requested_memory=measure_with.total,
-        )
-    vllm_extensible.extend_kv_cache(runner, config, num_blocks)
-    core = sched._engine_core(scheduler)
-    core.model_executor = resize._Workers(SimpleNamespace(model_runner=runner))
-    return core
+    return resize.extended_core(scheduler, config, layout, cap, num_blocks, measure_with)
 
 
 def _plugin_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

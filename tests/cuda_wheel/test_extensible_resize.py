@@ -109,7 +109,22 @@ def _engine(
     vllm_config.cache_config.kv_cache_max_memory = cap  # as the plugin's argument sets it
     if hisparse:
         vllm_config.attention_config.hisparse_config = SimpleNamespace()
-    layout = KVCacheLayout.LBNHC
+    return extended_core(scheduler, config, KVCacheLayout.LBNHC, cap, NUM_BLOCKS, measure_with)
+
+
+def extended_core(
+    scheduler: Any,
+    config: KVCacheConfig,
+    layout: KVCacheLayout,
+    cap: int | None,
+    num_blocks: int,
+    measure_with: FakeGPU | None = None,
+) -> EngineCore:
+    """An engine core over ``scheduler`` whose one worker's extensible KV
+    cache (``config``, ``layout``) vLLM's ``extend_kv_cache`` extends
+    (through the plugin) to ``num_blocks``; ``measure_with``: vLLM's worker
+    measured the memory after warmup on that GPU first."""
+    vllm_config = scheduler.vllm_config
     cache = ExtensibleKVCache(config, torch.device("cuda:0"), layout)
     cache.allocate(cache.size)
     runner = SimpleNamespace(
@@ -133,7 +148,7 @@ def _engine(
             init_free_memory=measure_with.free,
             requested_memory=measure_with.total,
         )
-    vllm_extensible.extend_kv_cache(runner, config, NUM_BLOCKS)
+    vllm_extensible.extend_kv_cache(runner, config, num_blocks)
     core = sched._engine_core(scheduler)
     core.model_executor = _Workers(SimpleNamespace(model_runner=runner))
     return core
