@@ -163,7 +163,27 @@ def percentile(values: list[float], q: float) -> float | None:
     return data[min(len(data) - 1, max(0, round(q / 100 * len(data) + 0.5) - 1))]
 
 
-def summarize(variant: str, server: str, results: list[dict], samples: list[dict], span: float, args: Any) -> dict:
+def preemptions(base: str) -> int | None:
+    """vLLM's own count of the requests it preempted (``vllm:num_preemptions_total`` on its /metrics)."""
+    try:
+        text = requests.get(base + "/metrics", timeout=10).text
+    except requests.RequestException:
+        return None
+    counts = [
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_preemptions_total")
+    ]
+    return int(sum(counts)) if counts else None
+
+
+def limit_changes(samples: list[dict], server: str) -> int:
+    """How often the sampled limit of ``server`` moved."""
+    limits = [s["limit_blocks"] for s in samples if s["server"] == server and s["limit_blocks"] is not None]
+    return sum(1 for a, b in zip(limits, limits[1:]) if a != b)
+
+
+def summarize(
+    variant: str, server: str, results: list[dict], samples: list[dict], span: float, args: Any, preempted: int | None
+) -> dict:
     done = [r for r in results if "ttft" in r]
     ttft = [r["ttft"] for r in done]
     good = [r for r in done if r["ttft"] <= args.ttft_slo and r["tpot"] <= args.tpot_slo]
@@ -184,6 +204,8 @@ def summarize(variant: str, server: str, results: list[dict], samples: list[dict
         "limit_median_blocks": statistics.median(limits) if limits else None,
         "limit_max_blocks": max(limits, default=None),
         "waiting_max": max(waiting, default=None),
+        "limit_changes": limit_changes(samples, server),
+        "preemptions": preempted,
     }
 
 
@@ -229,13 +251,15 @@ def run_variant(variant: str, args: argparse.Namespace, model: str, traces: dict
         span = max(args.minutes * 60 / args.speed, time.monotonic() - t0)
         sampler.done.set()
         sampler.join()
-    rows = [summarize(variant, s, results[s], sampler.samples, span, args) for s in SERVERS]
+        preempted = {s: preemptions(bases[s]) for s in SERVERS}
+    rows = [summarize(variant, s, results[s], sampler.samples, span, args, preempted[s]) for s in SERVERS]
     for row in rows:
         print(
             f"{variant} {row['server']}: TTFT p50/p90/p99 {c.fmt(row['ttft_p50_s'])}/{c.fmt(row['ttft_p90_s'])}/"
             f"{c.fmt(row['ttft_p99_s'])} s, goodput {c.fmt(row['goodput_per_s'])}/s, limit blocks "
             f"{row['limit_min_blocks']}/{row['limit_median_blocks']}/{row['limit_max_blocks']}, waiting max "
-            f"{row['waiting_max']}, {row['failed']} failed",
+            f"{row['waiting_max']}, {row['limit_changes']} limit changes sampled, {row['preemptions']} preempted, "
+            f"{row['failed']} failed",
             flush=True,
         )
     return rows, sampler.samples
@@ -312,7 +336,7 @@ def main() -> None:
     columns += [(f"ttft_{p}_s", f"TTFT {p} s") for p in ("p50", "p90", "p99")]
     columns += [("tpot_p50_ms", "TPOT p50 ms"), ("goodput_per_s", "goodput /s")]
     columns += [(f"limit_{k}_blocks", f"limit {k}") for k in ("min", "median", "max")]
-    columns += [("waiting_max", "waiting max")]
+    columns += [("waiting_max", "waiting max"), ("limit_changes", "limit changes"), ("preemptions", "preempted")]
     c.print_table(rows, columns)
     samples_path = c.RESULTS_DIR / f"{args.name}_samples.csv"
     with samples_path.open("w", newline="") as out:
