@@ -1,7 +1,11 @@
 """Benchmark 8b, the autoscaler's cost per engine step: ``Autoscaler.tick``
-as the engine core calls it after every step, between two decisions (the
-demand is read, nothing changes), for a scheduler holding N unfinished
-requests, with one KV cache group and with two (a hybrid model).
+as the engine core calls it after every step, between two decisions, for a
+scheduler holding N unfinished requests, with one KV cache group and with
+two (a hybrid model). Since the demand is read whole once per decision
+(``hooks.runtime.demand``), a tick between decisions counts only the
+requests that arrived, none here: this measures that floor, and
+``bench_demand_steps.py`` (8b2) the whole read at each decision on vLLM's
+real scheduler.
 
     .venv/bin/python benchmarks/bench_demand.py [--requests 16 64 256 1024] [--repeats 2000]
 

@@ -1,4 +1,4 @@
-"""Benchmark 8i, the autoscaler's cost per engine step with N waiting
+"""Benchmark 8b2, the autoscaler's cost per engine step with N waiting
 requests, on vLLM's real scheduler: the plugin's wrapped ``EngineCore.step``
 (the step, then the autoscaler's ``tick`` and the release of pages) against
 vLLM's own step on the same engine core, before and after a change
