@@ -207,13 +207,13 @@ class RuntimeLimit:
         until a release works), never raised into vLLM's step; the pages
         then count as allocated (``committed``) and the release is tried
         again ``RELEASE_RETRY_S`` later."""
-        now = time.monotonic() if now is None else now
-        if not self.release_due(now):
+        if not self.release_due(now):  # every step: no clock read unless a release failed
             return
         num_blocks = self.allocation.num_blocks
         try:
             released = self.pages(self.limit, num_blocks, True, self.lazy)
         except Exception:
+            now = time.monotonic() if now is None else now
             if self.release_failed_at is None:
                 logger.exception(
                     "Returning the KV cache pages of blocks %d-%d to the OS failed; they count as allocated and "
