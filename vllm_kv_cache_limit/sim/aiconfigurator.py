@@ -12,7 +12,10 @@ token counts are rounded up to buckets and the answers kept in an LRU cache.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vllm_kv_cache_limit.sim.step_time import Batch, StepTimeError
@@ -28,6 +31,62 @@ def bucket(tokens: int) -> int:
         return max(0, int(tokens))
     step = 1 << max(0, int(tokens).bit_length() - 5)
     return -(-int(tokens) // step) * step
+
+
+def shipped_configs() -> Path | None:
+    """aiconfigurator-core's folder of Hugging Face configs (``Org--Name_config.json``), found without importing it."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    folder = Path(spec.origin).parent / "model_configs"
+    return folder if folder.is_dir() else None
+
+
+def cache_folder() -> Path:
+    """Where model folders made from shipped configs are kept: ``$XDG_CACHE_HOME/vllm-kv-sim`` (``~/.cache``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm-kv-sim"
+
+
+def model_folder(name: str, configs: Path | None = None, cache: Path | None = None) -> str | None:
+    """A model folder holding the ``config.json`` aiconfigurator-core ships
+    for the Hugging Face name ``name`` (``Qwen/Qwen3-8B``), no weights: what
+    vLLM reads the KV cache's shape from. None when ``name`` is a local
+    folder already, or no config is shipped for it. The file is written
+    whole (a new file renamed over the old one, never through a link) and
+    reused while its content is the same."""
+    if os.path.isdir(name) or "/" not in name:
+        return None
+    configs = configs if configs is not None else shipped_configs()
+    if configs is None:
+        return None
+    source = configs / f"{name.replace('/', '--')}_config.json"
+    if not source.is_file():
+        return None
+    content = source.read_bytes()
+    folder = (cache if cache is not None else cache_folder()) / "models" / name.replace("/", "--")
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    target = folder / "config.json"
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        fd = -1
+    if fd >= 0:
+        with os.fdopen(fd, "rb") as existing:
+            if existing.read() == content:
+                return str(folder)
+    partial = folder / f".config.json.{os.getpid()}"
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as file:
+            file.write(content)
+        os.replace(partial, target)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise StepTimeError(
+            f"cannot write {target} from aiconfigurator-core's config for {name!r} ({exc.strerror}); set "
+            "XDG_CACHE_HOME to a folder you can write, or give model= a local folder holding the model's config.json."
+        ) from None
+    return str(folder)
 
 
 def available() -> bool:

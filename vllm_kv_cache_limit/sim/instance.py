@@ -34,6 +34,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm_kv_cache_limit.hooks.runtime.limit import RuntimeLimit  # noqa: E402
 from vllm_kv_cache_limit.logic import limit_math  # noqa: E402
 from vllm_kv_cache_limit.logic.sizes import format_size  # noqa: E402
+from vllm_kv_cache_limit.sim.aiconfigurator import model_folder  # noqa: E402
 from vllm_kv_cache_limit.sim.clock import VirtualClock  # noqa: E402
 from vllm_kv_cache_limit.sim.step_time import Batch, StepTimeModel  # noqa: E402
 from vllm_kv_cache_limit.sim.traffic import Arrival  # noqa: E402
@@ -56,7 +57,9 @@ class InstanceSpec:
 
     name: str
     model: str
-    """A local model folder (its ``config.json``): vLLM reads the KV cache's shape from it."""
+    """A local model folder (its ``config.json`` is enough): vLLM reads the KV
+    cache's shape from it; or a Hugging Face name aiconfigurator-core ships a
+    config for (``Qwen/Qwen3-8B``), made such a folder."""
     max_model_len: int
     block_size: int = 16
     max_num_seqs: int = 256
@@ -73,7 +76,15 @@ def build_engine_core(spec: InstanceSpec, cap_bytes: int, executor: SimExecutor)
     model) around vLLM's scheduler over the whole blocks of the model's real
     KV cache shape that fit in ``cap_bytes`` (vLLM's null block included),
     as a capped instance allocates them."""
-    model_config = ModelConfig(model=spec.model, dtype=spec.dtype, seed=0, max_model_len=spec.max_model_len)
+    # No tokenizer: the simulated tokens are not the model's, and a folder
+    # holding only the model's config.json is enough for the KV cache's shape.
+    model_config = ModelConfig(
+        model=model_folder(spec.model) or spec.model,
+        dtype=spec.dtype,
+        seed=0,
+        max_model_len=spec.max_model_len,
+        skip_tokenizer_init=True,
+    )
     scheduler_config = SchedulerConfig(
         max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=max(spec.max_num_batched_tokens, spec.max_model_len),
