@@ -29,7 +29,7 @@ UPSTREAM_VENV := .venv-upstream
 UPSTREAM_SITE = $(UPSTREAM_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')/site-packages
 export HF_HUB_OFFLINE := 1
 
-.PHONY: serve test test-slow test-smoke test-matrix test-upstream lint install model check-hooks clean
+.PHONY: serve test test-slow test-smoke test-matrix test-upstream lint install model check-hooks clean sim
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,30 @@ test: install model
 # by a cheaper test, listed in tests/README.md.
 test-slow: install model
 	$(VPY) -m pytest -m slow $(PYTEST_ARGS)
+
+# vllm-kv-sim with the GPU step times (the [sim] extra: aiconfigurator-core's
+# measured kernel tables), beside .venv without changing it: what the extra
+# needs and .venv lacks goes into .venv-sim (pip install --prefix, every
+# package of .venv pinned to the version it has, so none is installed again
+# or replaced), and .venv-sim/bin/vllm-kv-sim runs the simulator on .venv's
+# Python with both. .venv stays what make test tests.
+SIM_VENV := .venv-sim
+
+$(SIM_VENV)/.deps: pyproject.toml | $(DEPS)
+	rm -rf $(SIM_VENV)
+	mkdir -p $(SIM_VENV)/bin
+	$(VPY) -m pip freeze | grep '==' > $(SIM_VENV)/constraints.txt
+	$(VPY) -m pip install -q --prefix $(CURDIR)/$(SIM_VENV) -c $(SIM_VENV)/constraints.txt \
+		$$($(VPY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['sim']))")
+	site=$$(ls -d $(CURDIR)/$(SIM_VENV)/lib/python3*/site-packages) && \
+		printf '#!/bin/sh\n# vllm-kv-sim with the [sim] extra (make sim)\nPYTHONPATH="%s$${PYTHONPATH:+:$$PYTHONPATH}" exec "%s" -m vllm_kv_cache_limit.sim "$$@"\n' \
+		"$$site" "$(CURDIR)/$(VPY)" > $(SIM_VENV)/bin/vllm-kv-sim
+	chmod +x $(SIM_VENV)/bin/vllm-kv-sim
+	$(SIM_VENV)/bin/vllm-kv-sim --help > /dev/null
+	PYTHONPATH=$$(ls -d $(SIM_VENV)/lib/python3*/site-packages) $(VPY) -c "from vllm_kv_cache_limit.sim import aiconfigurator as a; assert a.available(), 'aiconfigurator-core is not importable beside vLLM'"
+	touch $@
+
+sim: install $(SIM_VENV)/.deps
 
 # ruff (lint and format), mypy and the import contracts (import-linter),
 # configured in pyproject.toml. lint-imports analyses the package as Python
@@ -130,7 +154,7 @@ test-matrix:
 	done
 
 clean:
-	rm -rf $(VENV) .venv-cpu-* $(UPSTREAM_VENV) .venv-upstream-cuda-* models .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-cpu-* $(UPSTREAM_VENV) .venv-upstream-cuda-* $(SIM_VENV) models .pytest_cache .hypothesis
 
 # vLLM's CUDA wheel (VLLM_VERSION, any release in the window) without a GPU,
 # in its own environment .venv-cuda-VERSION: the wheel, its requirements less
