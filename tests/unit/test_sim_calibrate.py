@@ -51,19 +51,20 @@ def test_fit_predicts_batches_it_was_not_fitted_on() -> None:
     """The validation's premise on a small scale: fitted on decode-only and
     prefill-only steps, the model predicts mixed steps (held out) within 5%."""
     result = fit(_measured(DECODES + PREFILLS, seed=1))
-    held_out = calibrate.medians(_measured(MIXED, seed=2))
+    held_out = calibrate.per_composition(_measured(MIXED, seed=2), 0.5)
     errors = calibrate.relative_errors(result.model, held_out)
     assert max(abs(e) for e in errors) < 0.05, errors
 
 
 def test_a_slow_step_now_and_then_moves_the_fit_little() -> None:
     """A shared machine slows a step now and then: one step in five 10x slower
-    leaves each composition's median, and so the fit, where it was."""
+    leaves each composition's lower quartile and median, and so the fit, where it was."""
     steps = _measured(DECODES + PREFILLS, noise=0.01, seed=3)
     slowed = [Measurement(m.decode_requests, m.prefill_tokens, m.seconds * (10 if i % 5 == 0 else 1))
               for i, m in enumerate(steps)]  # fmt: skip
-    result = fit(slowed)
-    assert (result.model.a, result.model.b, result.model.c) == pytest.approx((A, B, C), rel=0.05)
+    for quantile in (0.25, 0.5):
+        result = fit(slowed, quantile)
+        assert (result.model.a, result.model.b, result.model.c) == pytest.approx((A, B, C), rel=0.05)
 
 
 def test_a_coefficient_that_would_be_negative_is_0() -> None:
@@ -140,11 +141,19 @@ def test_bad_measurements_file_is_refused(
     [
         (["--out", "x.json"], "give --model FOLDER"),
         (["--model", "m", "--out", "x.json", "--repeats", "0"], "--repeats 0"),
+        (
+            ["--from-measurements", "steps.csv", "--out", "x.json", "--quantile", "50"],
+            "--quantile 50.0: give a fraction",
+        ),
         (["--model", "m", "--out", "x.json", "--engine-args", "[1]"], "--engine-args '[1]' is not a JSON object"),
         (["--from-measurements", "/nonexistent/steps.csv", "--out", "x.json"], "'/nonexistent/steps.csv': cannot read"),
     ],
 )
-def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
+def test_bad_arguments_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    calibrate.write_measurements(_measured(DECODES + PREFILLS), tmp_path / "steps.csv")
     assert calibrate.main(argv) == 2
     assert says in capsys.readouterr().err
 

@@ -11,7 +11,9 @@ on the instance: scheduling, the model and the update of the requests, the
 work the simulator charges to the step) and its batch read from the
 ``SchedulerOutput``. A least-squares fit of ``t = a + b * decoding + c *
 prompt tokens`` (relative residuals, coefficients of at least 0) on the
-median time of each batch composition is written as the JSON
+lower quartile of each batch composition's times (``--quantile``: the
+engine's own time; a step slowed by another process on a shared machine
+is that process's, not the engine's) is written as the JSON
 ``--step-time FILE`` reads; its R^2 and relative errors are printed.
 """
 
@@ -37,6 +39,8 @@ from vllm_kv_cache_limit.sim.step_time import Batch, LinearStepTime, StepTimeErr
 COLUMNS = ["decode_requests", "prefill_tokens", "seconds"]
 """The header of a measurements CSV file (``--measurements``, ``--from-measurements``)."""
 TERMS = ("a", "b", "c")
+QUANTILE = 0.25
+"""The quantile of each batch composition's times that is fitted (the lower quartile)."""
 VOCAB = 500
 """Token ids drawn for the prompts (the tiny Llama's vocabulary is 503)."""
 
@@ -60,7 +64,7 @@ class Fit:
 
     model: LinearStepTime
     r2: float
-    """Of the compositions' median times (1: every median on the fitted plane)."""
+    """Of the compositions' times (1: every one on the fitted plane)."""
     max_rel_error: float
     mean_rel_error: float
     compositions: int
@@ -83,13 +87,15 @@ def validated(measurements: Iterable[Measurement]) -> list[Measurement]:
     return found
 
 
-def medians(measurements: Sequence[Measurement]) -> list[Measurement]:
-    """One point per batch composition: its median time (a step slowed by a
-    neighbour on a shared machine moves its composition's median little)."""
+def per_composition(measurements: Sequence[Measurement], quantile: float = QUANTILE) -> list[Measurement]:
+    """One point per batch composition: that quantile of its times (a step
+    now and then slowed by a neighbour on a shared machine moves it little)."""
+    from vllm_kv_cache_limit.sim.metrics import percentile
+
     groups: dict[tuple[int, int], list[float]] = {}
     for m in measurements:
         groups.setdefault((m.decode_requests, m.prefill_tokens), []).append(m.seconds)
-    return [Measurement(d, p, statistics.median(t)) for (d, p), t in sorted(groups.items())]
+    return [Measurement(d, p, percentile(t, 100 * quantile) or 0.0) for (d, p), t in sorted(groups.items())]
 
 
 def _least_squares(points: Sequence[Measurement], terms: tuple[str, ...]) -> dict[str, float] | None:
@@ -109,14 +115,16 @@ def _least_squares(points: Sequence[Measurement], terms: tuple[str, ...]) -> dic
     return {t: (float(solution[terms.index(t)]) if t in terms else 0.0) for t in TERMS}
 
 
-def fit(measurements: Iterable[Measurement]) -> Fit:
+def fit(measurements: Iterable[Measurement], quantile: float = QUANTILE) -> Fit:
     """``t = a + b * decode_requests + c * prefill_tokens`` through the
-    compositions' median times, minimising the relative residuals, with
+    compositions' times (:func:`per_composition`), minimising the relative residuals, with
     ``a, b, c >= 0`` (the best of the least-squares fits on each subset of
     the terms whose coefficients are all at least 0: the non-negative
     optimum for three terms)."""
     steps = validated(measurements)
-    points = medians(steps)
+    if not 0 <= quantile <= 1:
+        raise CalibrationError(f"--quantile {quantile!r}: give a fraction from 0 to 1, e.g. 0.25 or 0.5 (the median).")
+    points = per_composition(steps, quantile)
     if not any(p.decode_requests for p in points) or not any(p.prefill_tokens for p in points):
         raise CalibrationError(
             f"the measurements hold {len(points)} batch composition(s), "
@@ -325,6 +333,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-args", default="{}", help='more LLM(...) keyword arguments as JSON, e.g. {"block_size": 16}'
     )
+    p.add_argument("--quantile", type=float, default=QUANTILE, help="of each batch's times fitted (default 0.25)")
     p.add_argument("--measurements", type=Path, help="also write each timed step to this CSV file")
     p.add_argument("--from-measurements", type=Path, help="fit a CSV file --measurements wrote; starts no engine")
     return p
@@ -335,7 +344,7 @@ def report(result: Fit, points: Sequence[Measurement]) -> str:
     lines = [
         result.model.describe(),
         f"{result.steps} steps in {result.compositions} batch compositions: R^2 {result.r2:.4f}, relative error "
-        f"mean {result.mean_rel_error:.1%}, max {result.max_rel_error:.1%} (of each composition's median)",
+        f"mean {result.mean_rel_error:.1%}, max {result.max_rel_error:.1%} (of each composition's time)",
     ]
     kinds = {
         "decode only": [p for p in points if p.prefill_tokens == 0],
@@ -380,11 +389,11 @@ def main(argv: list[str]) -> int:
             measured = measure(args)
             if args.measurements is not None:
                 write_measurements(measured, args.measurements)
-        result = fit(measured)
+        result = fit(measured, args.quantile)
         write_model(result.model, args.out)
     except (CalibrationError, StepTimeError) as exc:
         print(f"vllm-kv-sim calibrate: error: {exc}", file=sys.stderr)
         return 2
-    print(report(result, medians(measured)))
+    print(report(result, per_composition(measured, args.quantile)))
     print(f"wrote {args.out} (vllm-kv-sim --step-time {args.out})")
     return 0
