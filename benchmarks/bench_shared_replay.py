@@ -175,6 +175,16 @@ def preemptions(base: str) -> int | None:
     return int(sum(counts)) if counts else None
 
 
+def autoscale_changes(base: str) -> int | None:
+    """The autoscaler's own count of its limit changes (``autoscale.changes`` on the status route)."""
+    try:
+        found = requests.get(base + ROUTE, timeout=10).json()
+    except (requests.RequestException, ValueError):
+        return None
+    changes = (found.get("autoscale") or {}).get("changes") if isinstance(found, dict) else None
+    return changes if isinstance(changes, int) else None
+
+
 def limit_changes(samples: list[dict], server: str) -> int:
     """How often the sampled limit of ``server`` moved."""
     limits = [s["limit_blocks"] for s in samples if s["server"] == server and s["limit_blocks"] is not None]
@@ -200,6 +210,9 @@ def summarize(
         "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_ms": 1000 * statistics.median(r["tpot"] for r in done) if done else None,
         "goodput_per_s": len(good) / span,
+        "output_tokens_per_s": sum(r["tokens"] for r in done) / span,
+        "requests_per_s": len(done) / span,
+        "span_s": span,
         "limit_min_blocks": min(limits, default=None),
         "limit_median_blocks": statistics.median(limits) if limits else None,
         "limit_max_blocks": max(limits, default=None),
@@ -252,7 +265,10 @@ def run_variant(variant: str, args: argparse.Namespace, model: str, traces: dict
         sampler.done.set()
         sampler.join()
         preempted = {s: preemptions(bases[s]) for s in SERVERS}
+        changes = {s: autoscale_changes(bases[s]) for s in SERVERS}
     rows = [summarize(variant, s, results[s], sampler.samples, span, args, preempted[s]) for s in SERVERS]
+    for row in rows:
+        row["limit_changes_counted"] = changes[row["server"]]
     for row in rows:
         print(
             f"{variant} {row['server']}: TTFT p50/p90/p99 {c.fmt(row['ttft_p50_s'])}/{c.fmt(row['ttft_p90_s'])}/"
