@@ -6,16 +6,46 @@ a tie goes to the instance that waited longest). Each instance's engine
 loop takes its next step as soon as its last one ended and it has
 requests; while it has none its autoscaler still decides every
 ``TICK_S``, as the plugin's wake-ups make an idle engine core do.
+
+With MPS the steps of several instances overlap (``overlap`` F, 0 to 1):
+while k instances have requests, a step the step-time model times at t
+seconds alone holds the device for t * (1 - F * (k - 1) / k). F = 0 is
+strict time-sharing (each instance's step rate falls to 1/k of its rate
+alone); F = 1 is full overlap (each instance steps as often as it would
+alone, the device running k steps in the time of one). The events stay
+one at a time on the virtual clock, so a step's own duration shrinks with
+it: under overlap the time between an instance's steps is right, a single
+step (a prefill's TTFT) reads up to F * (k - 1) / k of t short.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_kv_cache_limit.hooks.runtime import utility_methods
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import TICK_S
 from vllm_kv_cache_limit.sim.clock import VirtualClock
 from vllm_kv_cache_limit.sim.instance import SAMPLE_S, Instance
+from vllm_kv_cache_limit.sim.step_time import Batch, StepTimeModel
+
+PROGRESS_S = 10.0
+"""Seconds of the virtual clock between two calls of ``Device.progress``."""
+
+
+@dataclass
+class Overlapped:
+    """A step-time model whose steps hold the device shorter while other instances are busy (``Device.overlap``)."""
+
+    inner: StepTimeModel
+    device: Device
+
+    def seconds(self, batch: Batch) -> float:
+        return self.inner.seconds(batch) * self.device.share()
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
 
 
 @dataclass
@@ -31,6 +61,22 @@ class Device:
     steps: int = 0
     limits: list[tuple[float, list[int]]] = field(default_factory=list)
     """(time, every instance's limit in blocks) after a step or an idle decision, at most one per ``SAMPLE_S``."""
+    overlap: float = 0.0
+    """How far steps of different instances overlap (MPS): 0 strict time-sharing, 1 full overlap."""
+    progress: Callable[[float], None] | None = None
+    """Called with the clock's time every ``PROGRESS_S`` of it (a progress bar)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"overlap {self.overlap!r}: give a fraction from 0 (time-sharing) to 1 (full overlap)")
+        if self.overlap:
+            for instance in self.instances:
+                instance.executor.step_time = Overlapped(instance.executor.step_time, self)
+
+    def share(self) -> float:
+        """The part of a step's time alone that it holds the device for now."""
+        busy = sum(1 for instance in self.instances if instance.has_requests)
+        return 1.0 - self.overlap * (busy - 1) / busy if busy > 1 else 1.0
 
     def run(self) -> None:
         """Every instance's traffic through vLLM's scheduler, until all
@@ -38,7 +84,11 @@ class Device:
         last = max((i.arrivals[-1].at for i in self.instances if i.arrivals), default=0.0)
         horizon = last + self.drain_s
         idle_tick = self.clock.now
+        reported = self.clock.now
         while True:
+            if self.progress is not None and self.clock.now - reported >= PROGRESS_S:
+                reported = self.clock.now
+                self.progress(reported)
             nxt = self._next()
             if nxt is None:
                 break

@@ -226,8 +226,8 @@ class Instance:
     requests: list[Request] = field(default_factory=list)
     steps: int = 0
     busy_s: float = 0.0
-    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
-    """(time, limit blocks, blocks in use, waiting requests) after each step."""
+    timeline: list[tuple[float, int, int, int, int]] = field(default_factory=list)
+    """(time, limit blocks, blocks in use, waiting requests, blocks their prompts need) after each step."""
 
     @property
     def has_requests(self) -> bool:
@@ -294,8 +294,12 @@ class Instance:
         pool = self.core.scheduler.kv_cache_manager.block_pool
         limit = RuntimeLimit.of(pool)
         withheld = 0 if limit is None else len(limit.withheld)
-        used = pool.num_gpu_blocks - limit_math.NULL_BLOCKS - pool.get_num_free_blocks() - withheld
-        self.timeline.append((now, self.limit_blocks(), used, len(self.core.scheduler.waiting)))
+        # The free queue itself: the oracle's pool answers get_num_free_blocks with what its budget leaves.
+        used = pool.num_gpu_blocks - limit_math.NULL_BLOCKS - pool.free_block_queue.num_free_blocks - withheld
+        waiting = self.core.scheduler.waiting
+        block = self.spec.block_size
+        wanted = sum(-(-r.num_tokens // block) for r in waiting)
+        self.timeline.append((now, self.limit_blocks(), used, len(waiting), wanted))
 
     @property
     def preemptions(self) -> int:
