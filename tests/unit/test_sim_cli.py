@@ -42,6 +42,7 @@ def test_the_scenarios_run_side_by_side_on_a_30_s_slice(
         "--instance", f"name=conv,{instance}",
         "--instance", f"name=late,{instance},start_min=0.25",
         "--trace-dir", str(tmp_path), "--minutes", "0.5", "--budget", "4M", "--shrink-after", "2", "--json",
+        "--scenarios", "even,autoscale",
     )  # fmt: skip
     assert code == 0, err
     report = json.loads(out)
@@ -80,6 +81,10 @@ def test_the_azure_conversation_trace_replays_for_30_s(tiny_model: str, capsys: 
         (["--budget", "lots"], "--budget 'lots'"),
         (["--budget", "4M", "--scenarios", "best"], "--scenarios 'best'"),
         (["--budget", "64K"], "fewer than one request of max_model_len 1024"),
+        (["--budget", "4M", "--overlap", "2"], "--overlap 2.0: give a fraction from 0"),
+        (["--budget", "4M", "--device-memory", "lots"], "--device-memory 'lots'"),
+        (["--budget", "4M", "--scenarios", "no-cap"], "give --device-memory"),
+        (["--budget", "4M", "--device-memory", "72M", "--scenarios", "even"], "at most --budget 2.02MiB"),
     ],
 )
 def test_bad_input_is_refused_quoting_it(
@@ -89,3 +94,89 @@ def test_bad_input_is_refused_quoting_it(
         capsys, "--instance", f"model={tiny_model},max_model_len=1024,rate=1", "--minutes", "0.05", *args
     )
     assert code == 2 and quoted in err, err
+
+
+def test_plot_progress_and_all_scenarios_with_the_device_memory(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --device-memory no-cap runs too (its second instance does not
+    start: vLLM's error in the JSON); --plot writes one PNG per scenario
+    whose instances started, --progress a bar of simulated seconds on stderr."""
+    instance = f"model={tiny_model},max_model_len=1024,rate=4,prompt=300,output=30"
+    code, out, err = _run(
+        capsys, "--instance", f"name=a,{instance}", "--instance", f"name=b,{instance},seed=3", "--minutes", "0.4",
+        "--budget", "4M", "--device-memory", "256M", "--plot", str(tmp_path / "t.png"), "--progress", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    assert [s["scenario"] for s in report["scenarios"]] == ["no-cap", "even", "plan", "autoscale", "oracle"]
+    no_cap = report["scenarios"][0]["instances"]
+    assert "error" not in no_cap["a"] and "Free memory on device" in no_cap["b"]["error"]
+    for name in ("no-cap", "even", "plan", "autoscale", "oracle"):
+        png = tmp_path / f"t-{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    for name in ("no-cap", "autoscale", "oracle"):  # a bar per scenario, of the seconds up to the last arrival
+        assert f"\r{name}:" in err and "/24.0 [" in err
+    code, out, err = _run(
+        capsys, "--instance", f"name=a,{instance}", "--minutes", "0.1", "--budget", "4M", "--plot",
+        str(tmp_path / "u.png"),
+    )  # fmt: skip
+    # Without --device-memory every scenario but no-cap (vLLM's sizing needs the device's memory); no bar
+    # without --progress, stderr being no terminal.
+    assert code == 0 and "oracle" in out and "no-cap" not in out and "oracle" not in err
+    assert sorted(p.name for p in tmp_path.glob("u-*.png")) == [
+        f"u-{n}.png" for n in ("autoscale", "even", "oracle", "plan")
+    ]
+
+
+def test_recommend_runs_a_small_search_and_prints_accepted_flags(
+    tiny_model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bursting and a steady instance: the search tries the even split, a
+    split by tokens and autoscaling settings, at most MAX_RUNS runs; the best
+    has the highest goodput, and its flags give exactly the sizes it ran with."""
+    from vllm_kv_cache_limit.logic.sizes import parse_size
+    from vllm_kv_cache_limit.sim.recommend import MAX_RUNS
+
+    code, out, err = _run(
+        capsys, "--instance", f"name=burst,model={tiny_model},max_model_len=1024,trace=gamma,rate=6,cv=3,prompt=400",
+        "--instance", f"name=steady,model={tiny_model},max_model_len=1024,rate=1,prompt=100,output=20",
+        "--minutes", "0.3", "--budget", "6M", "--scenarios", "even", "--recommend", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    found = json.loads(out)["recommendation"]
+    searched = [c for c in found["searched"] if "refused" not in c]
+    assert 3 <= len(found["searched"]) <= MAX_RUNS and {c["kind"] for c in searched} == {"static", "autoscale"}
+    best = found["best"]
+    assert best["goodput_req_s"] == max(c["goodput_req_s"] for c in searched)
+    for index, name in enumerate(("burst", "steady")):
+        words = found["flags"][name].split()
+        size = parse_size(words[words.index("--kv-cache-max-memory") + 1])
+        if best["kind"] == "static":
+            assert size == best["caps"][index]
+        else:
+            assert size == 6 << 20 and "--kv-cache-autoscale" in words
+    code, out, _ = _run(
+        capsys, "--instance", f"name=a,model={tiny_model},max_model_len=1024,rate=1", "--minutes", "0.1",
+        "--budget", "4M", "--scenarios", "even", "--recommend",
+    )  # fmt: skip
+    assert code == 0 and "recommended (one command per instance):" in out and "a: vllm serve " in out
+
+
+def test_calibrate_is_dispatched_to_its_module(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+    import types
+
+    from vllm_kv_cache_limit.sim.cli import CALIBRATE
+
+    seen: list[list[str]] = []
+    stub = types.ModuleType(CALIBRATE)
+    stub.main = lambda argv: seen.append(argv) or 5  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, CALIBRATE, stub)
+    assert main(["calibrate", "--model", "m", "--out", "x.json"]) == 5
+    assert seen == [["--model", "m", "--out", "x.json"]]
+    monkeypatch.setitem(sys.modules, CALIBRATE, None)  # as if the module were not there
+    code, _, err = _run(capsys, "calibrate", "--model", "m")
+    assert code == 2 and "calibrate is not in this version" in err

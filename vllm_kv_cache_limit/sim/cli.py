@@ -5,6 +5,7 @@ virtual clock; the settings compared side by side."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -36,6 +37,8 @@ INSTANCE_KEYS = {
     "step_time": str,
     "aiconfigurator": str,
     "seed": int,
+    "weights": str,
+    "activations": str,
 }
 EXAMPLE = "name=a,model=models/tiny-llama,max_model_len=1024,trace=conv"
 
@@ -73,7 +76,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--instance", action="append", required=True, help=f"one instance, key=value,...: {EXAMPLE}")
     p.add_argument("--budget", required=True, help="KV cache memory the instances share, e.g. 64M or 40GiB")
-    p.add_argument("--scenarios", default="even,autoscale", help="comma-separated: even, autoscale")
+    p.add_argument(
+        "--scenarios", default="all", help="comma-separated: no-cap, even, plan, autoscale, oracle (default all)"
+    )
     p.add_argument("--step-time", default="a=0.005,b=0.0005,c=0.00005", help="linear step time a=,b=,c= or JSON")
     p.add_argument("--system", default="h100_sxm", help="aiconfigurator-core's system for aiconfigurator=MODEL")
     p.add_argument(
@@ -85,8 +90,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, seconds")
     p.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT SLO, seconds")
     p.add_argument("--drain", type=float, default=600.0, help="seconds after the last arrival the run goes on")
+    p.add_argument("--device-memory", help="the device's total memory (default: --system's with aiconfigurator=)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="each instance's in no-cap")
+    p.add_argument("--overlap", type=float, default=0.0, help="MPS: how far steps overlap, 0 (time-sharing) to 1")
+    p.add_argument("--plot", metavar="PATH", help="write a timeline PNG per scenario (PATH-SCENARIO.png)")
+    p.add_argument("--progress", action="store_true", help="a progress bar on stderr (default: when a TTY)")
+    p.add_argument("--recommend", action="store_true", help="search floors, caps and hysteresis for goodput")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--verbose", action="store_true", help="show the autoscaler's log lines")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's and the autoscaler's log lines")
     return p
 
 
@@ -133,10 +144,19 @@ def setup_from(args: argparse.Namespace) -> Any:
     except ValueError as exc:
         raise UsageError(f"--budget {args.budget!r}: {exc}") from None
     names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    if names == ["all"]:
+        names = list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown or not names:
         raise UsageError(f"--scenarios {args.scenarios!r}: choose from {', '.join(SCENARIOS)}, e.g. even,autoscale")
     parsed = [parse_instance(text) for text in args.instance]
+    device_bytes = _device_memory(args, parsed)
+    if device_bytes is None and args.scenarios == "all":
+        names.remove("no-cap")  # vLLM's own sizing needs the device's memory
+    if not 0.0 <= args.overlap <= 1.0:
+        raise UsageError(f"--overlap {args.overlap!r}: give a fraction from 0 (time-sharing) to 1, e.g. --overlap 0.5")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization!r}: give one in (0, 1], e.g. 0.9")
     specs, floors = [], []
     for index, values in enumerate(parsed):
         name = values.get("name", f"i{index}")
@@ -159,8 +179,45 @@ def setup_from(args: argparse.Namespace) -> Any:
         slo=metrics.SLO(args.slo_ttft, args.slo_tpot),
         drain_s=args.drain,
         verbose=args.verbose,
+        device_bytes=device_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        overlap=args.overlap,
     )
+    if device_bytes is not None:
+        from vllm_kv_cache_limit.sim.memory import footprint
+
+        setup.footprints = [
+            footprint(spec, *(_size(v, key) for key in ("weights", "activations"))) for spec, v in zip(specs, parsed)
+        ]
     return setup, names
+
+
+def _size(values: dict[str, Any], key: str) -> int | None:
+    if key not in values:
+        return None
+    try:
+        return parse_size(values[key])
+    except ValueError as exc:
+        raise UsageError(f"--instance ...,{key}={values[key]!r}: {exc}") from None
+
+
+def _device_memory(args: argparse.Namespace, parsed: list[dict[str, Any]]) -> int | None:
+    """--device-memory, else --system's total where aiconfigurator-core times an instance, else None (unchecked)."""
+    from vllm_kv_cache_limit.sim.memory import DEVICE_MEMORY
+
+    if args.device_memory is not None:
+        try:
+            return parse_size(args.device_memory)
+        except ValueError as exc:
+            raise UsageError(f"--device-memory {args.device_memory!r}: {exc}") from None
+    if any("aiconfigurator" in v for v in parsed):
+        if args.system not in DEVICE_MEMORY:
+            raise UsageError(
+                f"--system {args.system!r} has no known memory; give --device-memory, e.g. --device-memory 80GiB "
+                f"(known: {', '.join(DEVICE_MEMORY)})"
+            )
+        return DEVICE_MEMORY[args.system]
+    return None
 
 
 def _ms(value: float | None) -> str:
@@ -177,6 +234,11 @@ def report(results: list[dict[str, Any]], setup: Any) -> str:
     ]
     for result in results:
         for name, f in result["instances"].items():
+            if f.get("error"):
+                lines.append(
+                    f"{result['scenario']:<10} {name:<10} {f['requests']:>5} {0:>5}  did not start: {f['error']}"
+                )
+                continue
             t, p, e = f["ttft_s"], f["tpot_s"], f["e2e_s"]
             e2e = "-" if e["p50"] is None else f"{e['p50']:.1f}/{e['p90']:.1f}"
             slo = "-" if f["slo_attainment"] is None else f"{f['slo_attainment']:.0%}"
@@ -191,17 +253,46 @@ def report(results: list[dict[str, Any]], setup: Any) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        setup, names = setup_from(args)
-        from vllm_kv_cache_limit.sim.instance import SimulationError
-        from vllm_kv_cache_limit.sim.scenarios import run
+def _run_all(names: list[str], setup: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from vllm_kv_cache_limit.sim.plot import plot_path, progress_bar, write_timeline
+    from vllm_kv_cache_limit.sim.scenarios import run
 
+    total = max((a.at for t in setup.traffic for a in t), default=0.0)
+    results = []
+    for name in names:
+        setup.progress, close = progress_bar(name, total, args.progress)
         try:
-            results = [run(name, setup) for name in names]
-        except (SimulationError, KVCacheMaxMemoryError) as exc:
-            raise UsageError(str(exc)) from None
+            result = run(name, setup)
+        finally:
+            close()
+        if args.plot and write_timeline(result, plot_path(args.plot, name)) is None:
+            print(f"vllm-kv-sim: scenario {name}: no instance started, no plot", file=sys.stderr)
+        results.append(result)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["calibrate"]:
+        return _calibrate(argv[1:])
+    args = parser().parse_args(argv)
+    from vllm_kv_cache_limit.plan.introspect import quiet_vllm
+
+    try:
+        with quiet_vllm(args.verbose):  # vLLM logs to stdout: its lines would break --json and drown the table
+            setup, names = setup_from(args)
+            from vllm_kv_cache_limit.sim.instance import SimulationError
+            from vllm_kv_cache_limit.sim.plot import PlotError
+
+            try:
+                results = _run_all(names, setup, args)
+                recommended = None
+                if args.recommend:
+                    from vllm_kv_cache_limit.sim.recommend import recommend
+
+                    recommended = recommend(setup)
+            except (SimulationError, KVCacheMaxMemoryError, PlotError) as exc:
+                raise UsageError(str(exc)) from None
     except (UsageError, StepTimeError, traffic.TrafficError, ValueError) as exc:
         print(f"vllm-kv-sim: error: {exc}", file=sys.stderr)
         return 2
@@ -209,7 +300,31 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("timelines", "limits", "records"):
             result.pop(key, None)
     if args.json:
-        print(json.dumps({"budget_bytes": setup.budget_bytes, "scenarios": results}, indent=2))
+        out: dict[str, Any] = {"budget_bytes": setup.budget_bytes, "scenarios": results}
+        if recommended is not None:
+            out["recommendation"] = recommended
+        print(json.dumps(out, indent=2))
     else:
         print(report(results, setup))
+        if recommended is not None:
+            from vllm_kv_cache_limit.sim.recommend import format_recommendation
+
+            print()
+            print(format_recommendation(recommended))
     return 0
+
+
+CALIBRATE = "vllm_kv_cache_limit.sim.calibrate"
+
+
+def _calibrate(argv: list[str]) -> int:
+    """``vllm-kv-sim calibrate ...``: the calibration command (``sim/calibrate.py``'s ``main``)."""
+    try:
+        module = importlib.import_module(CALIBRATE)
+    except ModuleNotFoundError as exc:
+        if exc.name != CALIBRATE:
+            raise
+        print(f"vllm-kv-sim: error: calibrate is not in this version of the simulator ({CALIBRATE} is missing); "
+              "run the simulation itself: vllm-kv-sim --instance ... --budget SIZE", file=sys.stderr)  # fmt: skip
+        return 2
+    return int(module.main(argv))

@@ -109,6 +109,8 @@ class Device:
             self.sample()
             if took > 0:
                 self.free_at = self.clock.now
+        if self.progress is not None:
+            self.progress(self.clock.now)
 
     def _next(self) -> tuple[float, Instance] | None:
         """When the next step starts, and whose: an instance with requests
