@@ -173,7 +173,12 @@ def test_calibrate_is_dispatched_to_its_module(
 
     seen: list[list[str]] = []
     stub = types.ModuleType(CALIBRATE)
-    stub.main = lambda argv: seen.append(argv) or 5  # type: ignore[attr-defined]
+
+    def calibrate_main(argv: list[str]) -> int:
+        seen.append(argv)
+        return 5
+
+    stub.main = calibrate_main  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, CALIBRATE, stub)
     assert main(["calibrate", "--model", "m", "--out", "x.json"]) == 5
     assert seen == [["--model", "m", "--out", "x.json"]]
