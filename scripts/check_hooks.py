@@ -31,6 +31,7 @@ import zipfile
 from pathlib import Path
 
 from vllm_kv_cache_limit import compat
+from vllm_kv_cache_limit.compat import registry
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache"
@@ -170,6 +171,8 @@ PLANNER = "vllm-kv-plan APIs"
 RESIZE = "run-time resize hooks"
 ATTRIBUTES = "attributes"
 RESIZE_ATTRIBUTES = "run-time resize attributes"
+SIM = "vllm-kv-sim APIs"
+SIM_ATTRIBUTES = "vllm-kv-sim attributes"
 
 
 def report_attributes_in_source(root: Path, label: str, version: str | None, shown: str) -> bool:
@@ -204,6 +207,11 @@ def check_tree(root: Path, label: str, version: str) -> bool:
     ok = report(label, version, compat.check_hooks_in_source(root, hooks), len(hooks))
     ok &= report(label, version, compat.check_hooks_in_source(root, resize), len(resize), RESIZE)
     ok &= report_attributes_in_source(root, label, known, version)
+    sim_hooks = compat.for_version(registry.sim_hooks(), known)
+    sim_attributes = compat.for_version(registry.sim_attributes(), known)
+    ok &= report(label, version, compat.check_hooks_in_source(root, sim_hooks), len(sim_hooks), SIM)
+    problems = compat.check_attributes_in_source(root, sim_attributes)
+    ok &= report(label, version, problems, len(sim_attributes), SIM_ATTRIBUTES)
     return report(label, version, compat.check_hooks_in_source(root, apis), len(apis), PLANNER) and ok
 
 
@@ -244,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         ok &= report("installed", installed, compat.check_hooks(compat.PLANNER_APIS), len(apis), PLANNER)
         resize = compat.for_version(compat.RESIZE_HOOKS, installed)
         ok &= report("installed", installed, compat.check_hooks(compat.RESIZE_HOOKS), len(resize), RESIZE)
+        sim = compat.for_version(registry.sim_hooks(), installed)
+        ok &= report("installed", installed, compat.check_hooks(registry.sim_hooks()), len(sim), SIM)
+        sim_attributes = compat.for_version(registry.sim_attributes(), installed)
+        problems = compat.check_attributes(registry.sim_attributes())
+        ok &= report("installed", installed, problems, len(sim_attributes), SIM_ATTRIBUTES)
         for attributes, what in ((compat.ATTRIBUTES, ATTRIBUTES), (compat.RESIZE_ATTRIBUTES, RESIZE_ATTRIBUTES)):
             expected = compat.for_version(attributes, installed)
             ok &= report("installed", installed, compat.check_attributes(attributes), len(expected), what)

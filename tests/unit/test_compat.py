@@ -23,6 +23,7 @@ import pytest
 import vllm_kv_cache_limit.hooks.cap.arg_utils  # noqa: F401  (reached as hooks.cap.arg_utils)
 from tests.conftest import REPO
 from vllm_kv_cache_limit import compat, hooks
+from vllm_kv_cache_limit.compat import registry
 
 SCRIPT = REPO / "scripts" / "check_hooks.py"
 NEWEST_CUDA = "0.34.0"
@@ -57,17 +58,22 @@ def hook_source_files(installed_root: Path) -> set[Path]:
         return package if not path.is_file() and package.is_file() else path
 
     version = compat.installed_vllm_version()
-    for hook in compat.for_version((*compat.HOOKS, *compat.PLANNER_APIS, *compat.RESIZE_HOOKS), version):
+    sim_hooks = registry.sim_hooks()  # vllm-kv-sim's calls, checked beside the plugin's hooks
+    for hook in compat.for_version((*compat.HOOKS, *compat.PLANNER_APIS, *compat.RESIZE_HOOKS, *sim_hooks), version):
         for module_name in hook.modules:
             path = module_file(module_name)
             if path.is_file():
                 files.add(path)
         files.add(module_file(defining_module(hook.qualname)))
-    for attribute in (*compat.ATTRIBUTES, *compat.RESIZE_ATTRIBUTES):
+    for attribute in (*compat.ATTRIBUTES, *compat.RESIZE_ATTRIBUTES, *registry.sim_attributes()):
         for module_name in attribute.modules:
             path = module_file(module_name)
-            if path.is_file() and module_name.startswith("vllm."):
+            if path.is_file() and module_name.startswith("vllm"):
                 files.add(path)
+                owner = getattr(importlib.import_module(module_name), attribute.owner or attribute.attr, None)
+                defined = getattr(owner, "__module__", None)
+                if isinstance(defined, str) and defined.startswith("vllm"):
+                    files.add(module_file(defined))
     files.add(installed_root / "vllm" / "_version.py")  # the release, which decides the hooks it should have
     return files
 
@@ -96,7 +102,7 @@ def defining_module(qualname: str) -> str:
     with (the hooked module may only re-export it)."""
     hook = next(
         h
-        for h in (*compat.HOOKS, *compat.PLANNER_APIS, *compat.RESIZE_HOOKS)
+        for h in (*compat.HOOKS, *compat.PLANNER_APIS, *compat.RESIZE_HOOKS, *registry.sim_hooks())
         if h.qualname.split(".")[0] == qualname.split(".")[0]
     )
     for module_name in hook.modules:

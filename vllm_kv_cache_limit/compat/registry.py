@@ -1,6 +1,7 @@
 """One registry of every hook: each is declared once, beside its wrapper, in
 the module of ``hooks.cap`` (the cap) or ``hooks.runtime`` (run-time resize) named
-after the vLLM module it patches, as that module's ``HOOKS``; the module's
+after the vLLM module it patches, as that module's ``HOOKS`` (and the vLLM
+functions ``vllm-kv-sim`` calls, in ``sim/``); the module's
 ``TARGETS`` says which vLLM module's import runs which of its ``patch``
 functions. A module is registered by being there: the lists below are read
 from the tree. The start-up checks, ``make check-hooks``, the generated docs
@@ -21,7 +22,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm_kv_cache_limit.compat.entries import Hook
+    from vllm_kv_cache_limit.compat.entries import Attribute, Hook
 
 
 def _declaring(package: str) -> tuple[str, ...]:
@@ -44,6 +45,14 @@ RESIZE_MODULES = _declaring("hooks.runtime")
 that does not fit makes resizing refuse, never start-up)."""
 
 
+SIM_MODULES = _declaring("sim")
+"""The modules of ``vllm-kv-sim`` that record the vLLM functions and fields
+it uses (``HOOKS``, ``ATTRIBUTES``; it wraps none). Checked against every
+wheel beside the plugin's hooks, never part of a start-up: the plugin
+imports no simulator (only :func:`sim_hooks` and :func:`sim_attributes`
+load these modules, which import no vLLM)."""
+
+
 def modules(names: tuple[str, ...]) -> list[ModuleType]:
     """The hook modules named (relative to the package), imported."""
     return [importlib.import_module(f"vllm_kv_cache_limit.{name}") for name in names]
@@ -57,6 +66,16 @@ def cap_hooks() -> tuple[Hook, ...]:
 def resize_hooks() -> tuple[Hook, ...]:
     """Every hook of run-time resize, in module order."""
     return tuple(hook for module in modules(RESIZE_MODULES) for hook in module.HOOKS)
+
+
+def sim_hooks() -> tuple[Hook, ...]:
+    """Every vLLM function and constructor ``vllm-kv-sim`` calls."""
+    return tuple(hook for module in modules(SIM_MODULES) for hook in module.HOOKS)
+
+
+def sim_attributes() -> tuple[Attribute, ...]:
+    """Every field of a vLLM object ``vllm-kv-sim`` reads or sets."""
+    return tuple(attribute for module in modules(SIM_MODULES) for attribute in getattr(module, "ATTRIBUTES", ()))
 
 
 def targets() -> dict[str, tuple[Callable[[Any], None], ...]]:
