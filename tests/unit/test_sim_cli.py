@@ -161,6 +161,18 @@ def test_recommend_runs_a_small_search_and_prints_accepted_flags(
         "--budget", "4M", "--scenarios", "even", "--recommend",
     )  # fmt: skip
     assert code == 0 and "recommended (one command per instance):" in out and "a: vllm serve " in out
+    # A budget of 3M for two instances of max_model_len 1024 (1 MiB a request): half the even share as the
+    # floor is below one request, the plugin refuses it; the search says so and goes on.
+    rate = f"model={tiny_model},max_model_len=1024,prompt=300,output=20"
+    code, out, err = _run(
+        capsys, "--instance", f"name=a,{rate},rate=3", "--instance", f"name=b,{rate},rate=1,seed=4", "--minutes", "0.1",
+        "--budget", "3M", "--scenarios", "even", "--recommend", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    found = json.loads(out)["recommendation"]
+    refused = [c["refused"] for c in found["searched"] if "refused" in c]
+    assert any("--kv-cache-min-memory 768KiB is refused" in r for r in refused), found["searched"]
+    assert "refused" not in found["best"]
 
 
 def test_calibrate_is_dispatched_to_its_module(

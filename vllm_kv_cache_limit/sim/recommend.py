@@ -23,6 +23,7 @@ from typing import Any
 from vllm_kv_cache_limit.logic.autoscale_policy import AUTOSCALE_FLAG, MIN_MEMORY_FLAG, SHARED_BUDGET_FLAG
 from vllm_kv_cache_limit.logic.cap_decision import FLAG
 from vllm_kv_cache_limit.logic.envs import SHRINK_AFTER_S as SHRINK_ENV
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
 from vllm_kv_cache_limit.logic.sizes import format_size, parse_size
 from vllm_kv_cache_limit.sim import scenarios
 from vllm_kv_cache_limit.sim.instance import SimulationError
@@ -67,7 +68,7 @@ def recommend(setup: scenarios.Setup) -> dict[str, Any]:
     for candidate in _candidates(setup):
         try:
             result = _run(setup, candidate)
-        except SimulationError as exc:  # e.g. a floor or a cap the plugin refuses: not a candidate
+        except (SimulationError, KVCacheMaxMemoryError) as exc:  # a cap or floor vLLM or the plugin refuses
             tried.append({**candidate, "refused": str(exc)})
             continue
         attained = [f["slo_attainment"] or 0.0 for f in result["instances"].values()]
