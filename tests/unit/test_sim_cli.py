@@ -85,6 +85,8 @@ def test_the_azure_conversation_trace_replays_for_30_s(tiny_model: str, capsys: 
         (["--budget", "4M", "--device-memory", "lots"], "--device-memory 'lots'"),
         (["--budget", "4M", "--scenarios", "no-cap"], "give --device-memory"),
         (["--budget", "4M", "--device-memory", "72M", "--scenarios", "even"], "at most --budget 2.02MiB"),
+        (["--budget", "4M", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization 0.0: give one in (0, 1]"),
+        (["--budget", "4M", "--system", "tpu", "--instance", "model=m,max_model_len=8,aiconfigurator=X"], "'tpu'"),
     ],
 )
 def test_bad_input_is_refused_quoting_it(
