@@ -172,6 +172,9 @@ def main() -> None:
     parser.add_argument("--tpot-slo", type=float, default=0.1)
     parser.add_argument("--sample-s", type=float, default=0.5, help="status polled every (s, default 0.5)")
     parser.add_argument("--shrink-after-s", type=float, default=None, help="the hysteresis (default: the plugin's)")
+    parser.add_argument(
+        "--bind", choices=["auto", "split"], default="auto", help="the servers' CPUs (bench_shared_replay.py's --bind)"
+    )
     parser.add_argument("--step-time", default=None, help="a calibrated step-time JSON (default: calibrate first)")
     parser.add_argument("--repeats", type=int, default=5, help="the calibration's rounds (default 5)")
     parser.add_argument("--overlap", type=float, default=0.0, help="the simulated device's overlap (default 0)")
