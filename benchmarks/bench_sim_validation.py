@@ -63,19 +63,22 @@ def calibrated(args: argparse.Namespace, model: str) -> Path:
 
 
 def simulate(
-    args: argparse.Namespace, model: str, traces: dict, step_time: Path, scale: float = 1.0
+    args: argparse.Namespace, model: str, traces: dict, step_time: Path, scales: dict[str, float] | None = None
 ) -> list[dict[str, Any]]:
-    """The ``autoscale`` scenario on the replay's requests, its step times
-    ``scale`` times the calibrated ones: per server, the measured rows' figures."""
+    """The ``autoscale`` scenario on the replay's requests, each server's step
+    times ``scales[server]`` times the calibrated ones: per server, the measured rows' figures."""
     from vllm_kv_cache_limit.logic.autoscale_policy import DEFAULT_SHRINK_AFTER_S
     from vllm_kv_cache_limit.logic.sizes import parse_size
     from vllm_kv_cache_limit.sim import metrics, scenarios
     from vllm_kv_cache_limit.sim.instance import InstanceSpec
-    from vllm_kv_cache_limit.sim.step_time import parse_linear
+    from vllm_kv_cache_limit.sim.step_time import StepTimeModel, parse_linear
     from vllm_kv_cache_limit.sim.traffic import Arrival
 
     fitted = parse_linear(str(step_time))
-    linear = type(fitted)(fitted.a * scale, fitted.b * scale, fitted.c * scale)
+    scales = scales or {}
+    step_times: list[StepTimeModel] = [
+        type(fitted)(fitted.a * k, fitted.b * k, fitted.c * k) for k in (scales.get(s, 1.0) for s in replay.SERVERS)
+    ]
     specs = [
         InstanceSpec(s, model, args.max_model_len, CPU_BLOCK, args.max_num_seqs, SERVER_BATCHED_TOKENS, args.dtype)
         for s in replay.SERVERS
@@ -83,7 +86,7 @@ def simulate(
     setup = scenarios.Setup(
         specs=specs,
         traffic=[[Arrival(at, p, m) for at, p, m in traces[s]] for s in replay.SERVERS],
-        step_times=[linear] * len(specs),
+        step_times=step_times,
         budget_bytes=parse_size(args.budget),
         floors=[None] * len(specs),
         shrink_after_s=DEFAULT_SHRINK_AFTER_S if args.shrink_after_s is None else args.shrink_after_s,
@@ -198,15 +201,19 @@ def main() -> None:
     columns = [("server", "server"), ("figure", "figure"), ("measured", "measured"), ("simulated", "simulated")]
     columns += [("ratio", "sim / measured"), ("target", "target"), ("within", "within")]
     c.print_table(rows, columns)
-    # The diagnosis: the same simulation with the step time the servers had in
-    # the replay (their TPOT p50 over the simulated one), so that a gap that
+    # The diagnosis: the same simulation with the step time each server had in
+    # the replay (its TPOT p50 over the simulated one), so that a gap that
     # the machine's speed explains is told apart from one of the model.
-    tpots = [(m.get("tpot_p50_ms"), s.get("tpot_p50_ms")) for m, s in zip(measured, simulated)]
-    scale = statistics.fmean(m / s for m, s in tpots if m and s) if all(m and s for m, s in tpots) else 1.0
-    scaled = simulate(args, model, traces, step_time, scale) if args.scaled and scale != 1.0 else []
+    scale = {
+        m["server"]: m["tpot_p50_ms"] / s["tpot_p50_ms"]
+        for m, s in zip(measured, simulated)
+        if m.get("tpot_p50_ms") and s.get("tpot_p50_ms")
+    }
+    scaled = simulate(args, model, traces, step_time, scale) if args.scaled and len(scale) == len(measured) else []
     scaled_rows = compare(measured, scaled) if scaled else []
     if scaled_rows:
-        print(f"\nthe step time x{scale:.2f} (the servers' TPOT p50 over the simulated one):")
+        factors = ", ".join(f"{server} x{k:.2f}" for server, k in scale.items())
+        print(f"\neach server's step time scaled to its TPOT p50 over the simulated one ({factors}):")
         c.print_table(scaled_rows, columns)
     meta = {
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
