@@ -68,6 +68,11 @@ def test_wheel_holds_the_package_and_no_test_helper(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "vllm_kv_cache_limit.pth" in names and "vllm_kv_cache_limit/logic/kv_cache.py" in names, names
+    # vllm-kv-sim's copy of the Azure traces, with the checksums it checks and the attribution it must keep.
+    traces = {name for name in names if name.startswith("vllm_kv_cache_limit/sim/traces/")}
+    assert {t.rsplit("/", 1)[1] for t in traces} == {
+        "AzureLLMInferenceTrace_conv.csv", "AzureLLMInferenceTrace_code.csv", "SHA256SUMS", "README.md"
+    }, sorted(traces)  # fmt: skip
     top = {name.split("/")[0] for name in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"vllm_kv_cache_limit", "vllm_kv_cache_limit.pth"}, top
     modules = {Path(name).stem for name in names if name.endswith(".py")}

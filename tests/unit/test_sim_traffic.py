@@ -90,3 +90,57 @@ def test_the_linear_step_time_reads_constants_or_json_and_says_what_would_work(t
         parse_linear(suggestion if "=" in suggestion else "a=0.005")  # what it suggests is accepted
     with pytest.raises(StepTimeError, match="0 for every batch"):
         LinearStepTime(0, 0, 0)
+
+
+PUBLISHED = {
+    "AzureLLMInferenceTrace_code.csv": "54e9a6d2a4bd06ba1e060304b900abbc74cbea53de96506e60fe5bb4f2277fb6",
+    "AzureLLMInferenceTrace_conv.csv": "2f1e5b666d4e3055fdbba98598ce2ec307767b9064e03e2fa46676dbcc7d0bf8",
+}
+"""The SHA-256 of the Azure traces 2023 as published (docs/simulate.md)."""
+
+
+def test_the_package_ships_the_azure_traces_with_their_checksums_and_attribution() -> None:
+    folder = traffic.TRACES
+    assert folder.parent == Path(traffic.__file__).parent  # inside the package, so in the wheel
+    sums = {
+        name: digest
+        for digest, name in (line.split() for line in (folder / traffic.CHECKSUMS).read_text().splitlines())
+    }
+    assert sums == PUBLISHED
+    for name, digest in PUBLISHED.items():
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest
+    readme = (folder / "README.md").read_text()
+    assert all(words in readme for words in ("Splitwise", "ISCA 2024", "Azure/AzurePublicDataset", "CC-BY 4.0"))
+    # The first minute of each, read from the package without a folder given.
+    conv = traffic.load_azure(traffic.trace_path(None, "conv"), minutes=1.0)
+    code = traffic.load_azure(traffic.trace_path(None, "code"), minutes=1.0)
+    assert traffic.trace_path(None, "conv") == folder / traffic.AZURE_FILES["conv"]
+    assert len(conv) > 100 and len(code) > 10 and conv[0].at == 0.0 and max(a.at for a in conv) < 60.0
+
+
+def test_the_cli_replays_the_packaged_traces_unless_a_folder_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_kv_cache_limit.sim import cli
+
+    monkeypatch.delenv(cli.TRACE_DIR_ENV, raising=False)
+    values = {"model": "m", "max_model_len": 1024, "trace": "conv"}
+    packaged = cli._traffic(values, cli.parser().parse_args(["--instance", "x", "--budget", "1M"]))
+    assert packaged == traffic.load_azure(traffic.TRACES / traffic.AZURE_FILES["conv"], minutes=1.0,
+                                          tokens=traffic.Tokens(max_total=1024))  # fmt: skip
+    # A folder of its own ($VLLM_KV_SIM_TRACES or --trace-dir) replaces it, checked the same way.
+    _trace(tmp_path)
+    monkeypatch.setenv(cli.TRACE_DIR_ENV, str(tmp_path))
+    own = cli._traffic(values, cli.parser().parse_args(["--instance", "x", "--budget", "1M"]))
+    assert [a.prompt_tokens for a in own] == [374, 396]  # the first minute of its own trace
+    # A packaged copy that differs from its SHA256SUMS is refused, not replayed.
+    tampered = tmp_path / "tampered"
+    tampered.mkdir()
+    for name in (*PUBLISHED, traffic.CHECKSUMS):
+        (tampered / name).write_bytes((traffic.TRACES / name).read_bytes())
+    conv = tampered / traffic.AZURE_FILES["conv"]
+    conv.write_text(conv.read_text().replace(",374,", ",375,", 1))
+    monkeypatch.setattr(traffic, "TRACES", tampered)
+    monkeypatch.delenv(cli.TRACE_DIR_ENV)
+    with pytest.raises(traffic.TrafficError, match="is not the published one"):
+        cli._traffic(values, cli.parser().parse_args(["--instance", "x", "--budget", "1M"]))

@@ -17,7 +17,7 @@ from vllm_kv_cache_limit.sim import metrics, traffic
 from vllm_kv_cache_limit.sim.step_time import StepTimeError, StepTimeModel, parse_linear
 
 TRACE_DIR_ENV = "VLLM_KV_SIM_TRACES"
-"""The folder of the Azure traces (``--trace-dir``'s default)."""
+"""The folder of the Azure traces (``--trace-dir``'s default; without either, the package's copy)."""
 INSTANCE_KEYS = {
     "name": str,
     "model": str,
@@ -82,7 +82,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time", default="a=0.005,b=0.0005,c=0.00005", help="linear step time a=,b=,c= or JSON")
     p.add_argument("--system", default="h100_sxm", help="aiconfigurator-core's system for aiconfigurator=MODEL")
     p.add_argument(
-        "--trace-dir", default=os.environ.get(TRACE_DIR_ENV), help=f"the Azure traces' folder (${TRACE_DIR_ENV})"
+        "--trace-dir",
+        default=os.environ.get(TRACE_DIR_ENV),
+        help=f"the Azure traces' folder (default ${TRACE_DIR_ENV}, else the copy in the package)",
     )
     p.add_argument("--start-min", type=float, default=0.0, help="the trace slice's start, minutes into the trace")
     p.add_argument("--minutes", type=float, default=1.0, help="the trace slice's length (and synthetic traffic's)")
@@ -121,13 +123,8 @@ def _traffic(values: dict[str, Any], args: argparse.Namespace) -> list[traffic.A
             values.get("rate", 1.0), cv, seconds, values.get("prompt", 256), values.get("output", 64),
             values.get("seed", 0), tokens,
         )  # fmt: skip
-    if kind in traffic.AZURE_FILES and not args.trace_dir:
-        raise UsageError(
-            f"trace={kind} needs the folder of the Azure traces: --trace-dir FOLDER (or ${TRACE_DIR_ENV}); see "
-            "docs/simulate.md for where they come from."
-        )
     return traffic.load_azure(
-        traffic.trace_path(args.trace_dir or ".", kind),
+        traffic.trace_path(args.trace_dir, kind),
         values.get("start_min", args.start_min),
         args.minutes,
         values.get("time_scale", 1.0),

@@ -1,5 +1,6 @@
-"""Traffic for the simulation: the Azure LLM inference traces 2023 (read by
-path, their checksum checked), and Poisson and gamma (bursty) arrivals.
+"""Traffic for the simulation: the Azure LLM inference traces 2023 (a copy
+ships in ``traces/``; read by path, their checksum checked), and Poisson
+and gamma (bursty) arrivals.
 
 Each arrival is a time in seconds from the start of the run, a prompt
 length and an output length. Traces are sliced (a start minute and a
@@ -21,6 +22,9 @@ AZURE_FILES = {"conv": "AzureLLMInferenceTrace_conv.csv", "code": "AzureLLMInfer
 """The two traces by short name: the conversation service and the coding service."""
 AZURE_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 CHECKSUMS = "SHA256SUMS"
+TRACES = Path(__file__).with_name("traces")
+"""The copy of the two traces in the package (``traces/README.md``: source, attribution, license),
+replayed where no other folder is given."""
 
 
 class TrafficError(ValueError):
@@ -88,10 +92,11 @@ def checked(path: Path) -> None:
         )
 
 
-def trace_path(folder: str, name: str) -> Path:
-    """The file of trace ``name`` (``conv``, ``code``) in ``folder``, or a CSV file's own path."""
+def trace_path(folder: str | None, name: str) -> Path:
+    """The file of trace ``name`` (``conv``, ``code``) in ``folder`` (None: the
+    package's copy, :data:`TRACES`), or a CSV file's own path."""
     if name in AZURE_FILES:
-        return Path(folder) / AZURE_FILES[name]
+        return Path(folder or TRACES) / AZURE_FILES[name]
     path = Path(name)
     if path.suffix == ".csv":
         return path
