@@ -105,8 +105,8 @@ def _least_squares(points: Sequence[Measurement], terms: tuple[str, ...]) -> dic
 
     columns = {
         "a": [1.0] * len(points),
-        "b": [float(p.decode_requests) for p in points],
-        "c": [float(p.prefill_tokens) for p in points],
+        "b": [p.decode_requests for p in points],
+        "c": [p.prefill_tokens for p in points],
     }
     weights = np.array([1.0 / p.seconds for p in points])
     matrix = np.array([columns[t] for t in terms]).T * weights[:, None]
@@ -179,10 +179,11 @@ def write_model(model: LinearStepTime, path: Path) -> None:
 
 
 def write_measurements(measurements: Iterable[Measurement], path: Path) -> None:
+    """Each timed step as a row of a CSV file that ``--from-measurements`` reads."""
     with path.open("w", newline="") as out:
-        writer = csv.writer(out)
-        writer.writerow(COLUMNS)
-        writer.writerows((m.decode_requests, m.prefill_tokens, repr(m.seconds)) for m in measurements)
+        csv.writer(out).writerows(
+            [COLUMNS, *((m.decode_requests, m.prefill_tokens, repr(m.seconds)) for m in measurements)]
+        )
 
 
 def read_measurements(path: Path) -> list[Measurement]:
@@ -214,13 +215,13 @@ def read_measurements(path: Path) -> list[Measurement]:
 
 @dataclass(frozen=True)
 class Wave:
-    """Requests added together: ``count`` prompts of ``prompt`` tokens, each generating ``output`` tokens."""
+    """Requests added together: ``count`` prompts of ``prompt`` tokens, each generating ``output``
+    tokens, after ``after_steps`` engine steps of the group's earlier waves."""
 
     count: int
     prompt: int
     output: int
     after_steps: int = 0
-    """Engine steps of the group's earlier waves before this one is added."""
 
 
 def design(max_num_seqs: int, max_model_len: int) -> list[list[Wave]]:
@@ -319,11 +320,8 @@ def measure(args: argparse.Namespace) -> list[Measurement]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vllm-kv-sim calibrate",
-        description="Fit the linear step time t = a + b*decoding + c*prompt_tokens to this machine's measured "
-        "engine steps, for --step-time FILE.",
-    )
+    about = "Fit the linear step time t = a + b*decoding + c*prompt_tokens to this machine's engine steps."
+    p = argparse.ArgumentParser(prog="vllm-kv-sim calibrate", description=about)
     p.add_argument("--model", help="a local model folder, e.g. models/tiny-llama")
     p.add_argument("--out", type=Path, required=True, help="the JSON file written, e.g. step_time.json")
     p.add_argument("--max-model-len", type=int, default=512)
