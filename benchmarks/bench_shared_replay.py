@@ -33,6 +33,7 @@ import argparse
 import csv
 import datetime
 import json
+import os
 import random
 import signal
 import statistics
@@ -230,6 +231,18 @@ def server_args(args: argparse.Namespace, model: str, *extra: str) -> list[str]:
     ]
 
 
+def binding(args: argparse.Namespace, server: str) -> dict[str, str]:
+    """The CPUs a server's worker runs on. vLLM's CPU backend binds each
+    engine's worker to the first CPU it does not reserve (``auto``), so two
+    servers on one host both compute on CPU 0 and wait for each other there:
+    ``split`` gives each its own CPU (``VLLM_CPU_OMP_THREADS_BIND``), as
+    vLLM's CPU docs advise for several instances on one host."""
+    if getattr(args, "bind", "auto") == "auto":  # callers that give no --bind keep vLLM's
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[list(SERVERS).index(server) % len(cpus)])}
+
+
 def run_variant(variant: str, args: argparse.Namespace, model: str, traces: dict, locks: Path) -> tuple[list, list]:
     """Start the variant's two servers, replay both traces at once, stop them."""
     from vllm_kv_cache_limit.logic.sizes import format_size, parse_size
@@ -244,7 +257,8 @@ def run_variant(variant: str, args: argparse.Namespace, model: str, traces: dict
         env["VLLM_KV_CACHE_LIMIT_SHRINK_AFTER_S"] = f"{args.shrink_after_s:g}"
     tag = variant.replace(" ", "-")
     launch: dict[str, Any] = {
-        f"{args.name}-{tag}-{s}": (server_args(args, model, *extra), c.bench_env(True, **env)) for s in SERVERS
+        f"{args.name}-{tag}-{s}": (server_args(args, model, *extra), c.bench_env(True, **env, **binding(args, s)))
+        for s in SERVERS
     }
     with api_servers(launch, c.RESULTS_DIR, c.ENGINE_TIMEOUT_S, c.REPO) as up:
         bases = {}
@@ -334,6 +348,12 @@ def main() -> None:
     parser.add_argument("--sample-s", type=float, default=0.5, help="status polled every (s, default 0.5)")
     parser.add_argument("--shrink-after-s", type=float, default=None, help="the hysteresis (default: the plugin's)")
     parser.add_argument("--variants", nargs="+", choices=[EVEN, SHARED], default=[EVEN, SHARED])
+    parser.add_argument(
+        "--bind",
+        choices=["split", "auto"],
+        default="split",
+        help="split: each server's worker on a CPU of its own (default); auto: vLLM's binding (both on one CPU)",
+    )
     parser.add_argument("--name", default="shared_replay")
     args = parser.parse_args()
     model = c.model_path(args)

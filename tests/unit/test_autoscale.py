@@ -12,6 +12,7 @@ import pytest
 from vllm_kv_cache_limit.logic import envs
 from vllm_kv_cache_limit.logic.autoscale_policy import (
     DEFAULT_SHRINK_AFTER_S,
+    WISH_HOLD_S,
     Hysteresis,
     Policy,
     Share,
@@ -203,6 +204,53 @@ def test_random_decisions_stay_within_floor_and_ceiling() -> None:
                 low_since = None
 
 
+# --- Hysteresis.wish: what the shared budget splits by --------------------------------
+
+
+def test_the_wish_rises_with_the_target_at_once() -> None:
+    scaler = Hysteresis(POLICY)
+    scaler.decide(0.0, demand=10, limit=100, ceiling=CEILING)
+    assert scaler.wish == expected_target(10)
+    scaler.decide(0.1, demand=300, limit=100, ceiling=CEILING)
+    assert scaler.wish == scaler.target == expected_target(300)
+
+
+def test_the_wish_keeps_its_peak_while_demand_dips_then_falls_to_the_target() -> None:
+    # A steady instance whose requests finish and arrive: its target dips
+    # between them, its wish does not, until it has not been reached for WISH_HOLD_S.
+    scaler = Hysteresis(POLICY)
+    peak = expected_target(200)
+    scaler.decide(0.0, demand=200, limit=peak, ceiling=CEILING)
+    now = 0.0
+    while now < WISH_HOLD_S - 0.1:
+        now = round(now + 0.1, 1)
+        scaler.decide(now, demand=0 if int(now * 10) % 2 else 40, limit=peak, ceiling=CEILING)
+        assert scaler.wish == peak, now
+    assert scaler.target < peak  # the premise: the target itself dipped
+    scaler.decide(WISH_HOLD_S, demand=40, limit=peak, ceiling=CEILING)
+    assert scaler.wish == expected_target(40)
+
+
+def test_reaching_the_peak_again_renews_the_hold() -> None:
+    scaler = Hysteresis(POLICY)
+    peak = expected_target(200)
+    again = WISH_HOLD_S * 0.8
+    scaler.decide(0.0, demand=200, limit=peak, ceiling=CEILING)
+    scaler.decide(again, demand=200, limit=peak, ceiling=CEILING)
+    scaler.decide(WISH_HOLD_S * 1.2, demand=0, limit=peak, ceiling=CEILING)
+    assert scaler.wish == peak  # reached again at 0.8 of the hold: held until 1.8 of it
+    scaler.decide(again + WISH_HOLD_S, demand=0, limit=peak, ceiling=CEILING)
+    assert scaler.wish == POLICY.floor
+
+
+def test_the_wish_never_exceeds_a_lowered_ceiling() -> None:
+    scaler = Hysteresis(POLICY)
+    scaler.decide(0.0, demand=900, limit=100, ceiling=CEILING)
+    assert scaler.wish == CEILING
+    scaler.decide(0.1, demand=900, limit=CEILING, ceiling=300)
+    assert scaler.wish == 300
+
+
 # --- the shared budget -------------------------------------------------------------
 
 
@@ -241,6 +289,52 @@ def test_entitlement_guarantees_the_wish_up_to_an_even_share() -> None:
             got = entitlement(s, shares[:i] + shares[i + 1 :], budget)
             if all(o.floor <= even for o in shares):
                 assert got >= min(s.wants, even), (shares, budget, i, got)
+
+
+def test_under_contention_the_needs_are_split_first_and_headroom_only_from_what_is_left() -> None:
+    # A steady instance needs 13 blocks and wishes for 18 (its headroom); a
+    # bursting one needs 400 and wishes for its ceiling, 32. Budget 32: the
+    # steady one keeps what it needs, the bursting one gets the rest, not an
+    # even 16 each.
+    steady = Share(holds=0, wants=18, floor=5, needs=13)
+    bursting = Share(holds=0, wants=32, floor=5, needs=32)
+    assert entitlement(steady, [bursting], 32) == 13
+    assert entitlement(bursting, [steady], 32) == 19
+    # Both need more than an even share: an even share each.
+    assert entitlement(Share(0, 32, 5, needs=20), [Share(0, 32, 5, needs=30)], 32) == 16
+    # The needs fit with room to spare: the rest is split as headroom, up to each wish.
+    calm = Share(holds=0, wants=12, floor=5, needs=6)
+    busy = Share(holds=0, wants=32, floor=5, needs=20)
+    assert entitlement(calm, [busy], 32) == 12
+    assert entitlement(busy, [calm], 32) == 20
+    assert entitlement(Share(0, 20, 5, needs=6), [busy], 32) == 12  # headroom split evenly: 6 each above 6 and 20
+
+
+def test_an_entry_without_needs_is_split_by_its_wish() -> None:
+    # An instance of an earlier release writes no needs: its wish is its need.
+    old = Share(holds=0, wants=18, floor=5)
+    new = Share(holds=0, wants=32, floor=5, needs=32)
+    assert old.need == 18
+    assert entitlement(old, [new], 32) == 16 == entitlement(new, [old], 32)
+
+
+def test_the_needs_first_split_still_guarantees_each_need_up_to_an_even_share() -> None:
+    rng = random.Random(5)
+    for _ in range(2000):
+        count = rng.randint(2, 5)
+        shares = []
+        for _ in range(count):
+            s = random_share(rng, 10_000)
+            shares.append(Share(s.holds, s.wants, s.floor, needs=rng.randint(s.floor, s.wants)))
+        budget = rng.randint(sum(s.floor for s in shares), 12_000)
+        even = budget // count
+        ents = [entitlement(s, shares[:i] + shares[i + 1 :], budget) for i, s in enumerate(shares)]
+        if sum(s.wants for s in shares) > budget:
+            assert sum(ents) <= budget
+        for s, got in zip(shares, ents):
+            assert s.floor <= got <= s.wants
+            if all(o.floor <= even for o in shares):
+                assert got >= min(s.need, even), (shares, budget, got)
 
 
 def test_entitlement_keeps_each_floor() -> None:

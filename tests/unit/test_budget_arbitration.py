@@ -240,3 +240,48 @@ def test_a_bursting_instance_reaches_its_even_share_within_a_bounded_number_of_s
         f"the bursting instance is at {bursting.limit} blocks after {BOUND_STEPS} steps (its even share is "
         f"{even}); the steady one at {steady.limit}, holding {steady.scaler.held}"
     )
+
+
+CHURN_STEPS = 150
+"""Decisions (15 s of the clock) over which the limits' changes are counted."""
+WAVE_STEPS = 8
+"""The steady instance's arrivals: a few short requests every so many steps, so
+its demand falls to nothing between two waves (as a conversation server's does
+between requests)."""
+
+
+def test_a_steady_instance_whose_demand_dips_does_not_move_the_limits_at_every_wave(
+    pair: tuple[Instance, Instance],
+) -> None:
+    steady, bursting = pair
+    now = 100.0
+    demands: list[int] = []
+
+    def both_step(step: int) -> None:
+        nonlocal now
+        now += STEP_S
+        if step % WAVE_STEPS == 0:
+            steady.add(3, BURST_TOKENS)
+        if bursting.waiting < 20:
+            bursting.add(20, STEADY_TOKENS)  # always more than it can hold: it wants the whole budget
+        steady.step(now)
+        bursting.step(now)
+        demands.append(steady.scaler.demand)
+        assert steady.scaler.held + bursting.scaler.held <= BUDGET_BLOCKS
+
+    for step in range(60):  # both reach their shares
+        both_step(step)
+    before = (steady.scaler.changes, bursting.scaler.changes)
+    for step in range(60, 60 + CHURN_STEPS):
+        both_step(step)
+    changes = (steady.scaler.changes - before[0], bursting.scaler.changes - before[1])
+    waves = CHURN_STEPS // WAVE_STEPS
+    # Premise: the steady instance's demand came and went at every wave.
+    assert min(demands[60:]) == 0 and max(demands[60:]) > 0
+    assert bursting.waiting > 0
+    # A wave's requests fit in what the steady instance keeps; its share
+    # must not be taken and given back at each of them.
+    assert sum(changes) <= 4, (
+        f"{sum(changes)} limit changes (steady {changes[0]}, bursting {changes[1]}) in {CHURN_STEPS} decisions "
+        f"over {waves} waves of the steady instance's requests"
+    )

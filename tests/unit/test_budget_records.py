@@ -174,6 +174,9 @@ MALFORMED = {
     "holds true": valid(holds=True),
     "budget a string": valid(budget="300K"),
     "budget missing": valid(budget=DROP),
+    "needs a string": valid(needs="most"),
+    "needs negative": valid(needs=-1),
+    "needs true": valid(needs=True),
     "not an object": [1, 2],
 }
 

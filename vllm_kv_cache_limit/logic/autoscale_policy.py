@@ -18,15 +18,17 @@ prefix cache are counted once per request). The rules:
   ``max_model_len``, so a new request finds its blocks without waiting for
   a grow.
 
-With a shared budget (``budget``) every instance's wish is its target and
-the budget is split max-min fair: when the wishes add up to more than the
-budget, each instance is entitled to its wish up to one level for all
-(water-filling), never below its floor, so each with demand is guaranteed
-its wish up to an even share, and what one wishes for below it is lent to
-the others. One holding more than its entitlement gives the rest back in
-drain mode, at once, so that idle instances (small wishes) give first; a
-drain that has not held after ``RECLAIM_AFTER_S`` while another instance
-waits below its entitlement preempts the requests above its limit.
+With a shared budget (``budget``) every instance publishes its need (its
+demand) and its wish (its target), and the budget is split max-min fair,
+by the needs first: when the wishes add up to more than the budget, each
+instance is entitled to its need up to one level for all (water-filling),
+never below its floor, and what the needs leave is split the same way as
+headroom, so each with demand is guaranteed its need up to an even share,
+and what one needs below it is lent to the others. One holding more than
+its entitlement gives the rest back in drain mode, at once, so that idle
+instances (small needs) give first; a drain that has not held after
+``RECLAIM_AFTER_S`` while another instance waits below its entitlement
+preempts the requests above its limit.
 
 The vLLM glue is in ``hooks.runtime.autoscaler``.
 """
@@ -46,6 +48,10 @@ HEADROOM = 0.25
 """Headroom over the demand, as a fraction of it."""
 DEFAULT_SHRINK_AFTER_S = 30.0
 """Seconds the demand must stay below the limit before it shrinks."""
+WISH_HOLD_S = 0.5
+"""Seconds an instance's wish in a shared budget keeps the highest target it
+had: a queue that empties between two waves of a burst, or a steady
+instance whose demand dips between requests, keeps its share that long."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +81,21 @@ class Hysteresis:
     below_since: float | None = None
     target: int = 0
     """The target of the last decision."""
+    wish: int = 0
+    """The highest target of the last ``WISH_HOLD_S`` seconds (at least the
+    target): what the instance wishes for in a shared budget."""
+    wish_at: float | None = None
+    """When ``wish`` was last reached."""
+    need: int = 0
+    """The highest demand (with the null block, at least the floor) of the
+    last ``WISH_HOLD_S`` seconds: what the shared budget splits first."""
+    need_at: float | None = None
 
     def decide(self, now: float, demand: int, limit: int, ceiling: int) -> int | None:
         """The new limit for ``demand`` blocks at time ``now`` (None: keep
         ``limit``). A limit above the ceiling falls to it at once."""
         target = self.target = self.policy.target(demand, ceiling)
+        self.hold(now, target, max(self.policy.floor, min(target, demand + NULL_BLOCKS)), ceiling)
         if limit > ceiling:
             self.below_since = None
             return ceiling
@@ -97,6 +113,19 @@ class Hysteresis:
         self.below_since = None
         return target
 
+    def hold(self, now: float, target: int, need: int, ceiling: int) -> None:
+        """Raise the wish and the need at once; lower each only once it has
+        not been reached for ``WISH_HOLD_S`` (never above the ceiling). Why:
+        the shared budget splits by them, and figures that follow each
+        request's arrival and finish would move every instance's share (and
+        each move drains or preempts) several times a second."""
+        if target >= self.wish or self.wish_at is None or now - self.wish_at >= WISH_HOLD_S:
+            self.wish, self.wish_at = target, now
+        if need >= self.need or self.need_at is None or now - self.need_at >= WISH_HOLD_S:
+            self.need, self.need_at = need, now
+        self.wish = min(self.wish, ceiling)
+        self.need = min(self.need, self.wish)
+
 
 @dataclass(frozen=True)
 class Share:
@@ -108,26 +137,45 @@ class Share:
     wants: int
     """Its target: demand plus headroom, within its floor and ceiling."""
     floor: int
+    needs: int | None = None
+    """Its demand without the headroom (None: as ``wants``, an entry that
+    does not say): the budget is split by the needs first."""
+
+    @property
+    def need(self) -> int:
+        """``needs`` within the floor and the wish."""
+        return self.wants if self.needs is None else max(self.floor, min(self.needs, self.wants))
+
+
+def _level(lows: list[int], highs: list[int], budget: int) -> list[int]:
+    """Water-filling: ``max(low, min(high, level))`` each, at the highest
+    level whose sum fits in ``budget`` (the lows at least)."""
+
+    def at(level: int) -> list[int]:
+        return [max(low, min(high, level)) for low, high in zip(lows, highs)]
+
+    low, high = 0, max(highs, default=0)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if sum(at(mid)) <= budget else (low, mid - 1)
+    return at(low)
 
 
 def fair_shares(shares: list[Share], budget: int) -> list[int]:
     """What each instance of ``shares`` may hold under ``budget``: its wish
-    when all wishes fit, else its max-min fair share (water-filling): one
-    level for all, each at least its floor and at most its wish. So every
-    instance is guaranteed its wish up to an even share of the budget above
-    the floors, and what an instance wishing for less leaves is split evenly
-    among those wishing for more."""
-    if sum(s.wants for s in shares) <= budget:
-        return [s.wants for s in shares]
-
-    def at(level: int) -> list[int]:
-        return [max(s.floor, min(s.wants, level)) for s in shares]
-
-    low, high = 0, max(s.wants for s in shares)
-    while low < high:  # the highest level that fits in the budget
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if sum(at(mid)) <= budget else (low, mid - 1)
-    return at(low)
+    when all wishes fit. Else max-min fair (water-filling), by the needs
+    first: when the needs do not all fit, one level for all, each at least
+    its floor and at most its need, so every instance is guaranteed its
+    need up to an even share and what one needs less of is split evenly
+    among the others; when they fit, each has its need and the rest of the
+    budget is split the same way as headroom, up to each wish."""
+    wants = [s.wants for s in shares]
+    if sum(wants) <= budget:
+        return wants
+    needs = [s.need for s in shares]
+    if sum(needs) >= budget:
+        return _level([s.floor for s in shares], needs, budget)
+    return _level(needs, wants, budget)
 
 
 def entitlement(me: Share, others: list[Share], budget: int) -> int:
@@ -161,7 +209,7 @@ def give_back(me: Share, others: list[Share], budget: int) -> int | None:
     return keep if keep < me.holds else None
 
 
-RECLAIM_AFTER_S = 1.0
+RECLAIM_AFTER_S = 0.2
 """Seconds a lowered limit may drain while another instance waits below its
 fair share; then the requests holding blocks above it are preempted."""
 

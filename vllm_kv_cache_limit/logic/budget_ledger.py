@@ -54,6 +54,8 @@ is kept by a process that is stopped or is no instance."""
 POLL_S = 0.02
 AMOUNTS = ("budget", "floor", "holds", "wants")
 """The fields of an entry that are bytes: whole numbers, at least 0."""
+OPTIONAL_AMOUNTS = ("needs",)
+"""Fields of bytes an entry may leave out (an instance of an earlier release)."""
 NAMES = ("instance", "label")
 """The fields of an entry that are text (optional: ``label`` is the ledger's)."""
 MOST_BYTES = 1 << 60
@@ -87,9 +89,11 @@ def record_problem(record: Any) -> str | None:
     (the budget more), below 1 EiB; the names text."""
     if not isinstance(record, dict):
         return f"a JSON {type(record).__name__}, not an object"
-    for name in AMOUNTS:
+    for name in (*AMOUNTS, *OPTIONAL_AMOUNTS):
         value = record.get(name)
         if name not in record:
+            if name in OPTIONAL_AMOUNTS:
+                continue
             return f"no {name!r} field"
         if isinstance(value, bool) or not isinstance(value, int):
             return f"{name!r} is {value!r}, not a whole number of bytes"

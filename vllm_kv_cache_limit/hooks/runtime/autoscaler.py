@@ -132,8 +132,16 @@ class Autoscaler:
 
     @property
     def wants(self) -> int:
-        """The target in the whole chunks a limit is set in (its entry's ``wants``)."""
-        return self.allocation.whole_chunks(self.target, up=True)
+        """The wish (the highest target of the last ``WISH_HOLD_S`` seconds)
+        in the whole chunks a limit is set in (its entry's ``wants``)."""
+        return self.allocation.whole_chunks(max(self.target, self.hysteresis.wish), up=True)
+
+    @property
+    def needs(self) -> int:
+        """The need (the highest demand of the last ``WISH_HOLD_S`` seconds,
+        with the null block, without headroom) in whole chunks, at most the
+        wish (its entry's ``needs``)."""
+        return min(self.wants, self.allocation.whole_chunks(max(self.floor, self.hysteresis.need), up=True))
 
     def read_demand(self, scheduler: Any) -> int:
         """Blocks every unfinished request holds and will need to finish
@@ -272,8 +280,13 @@ class Autoscaler:
 
     def _shares(self, holds: int) -> tuple[Share, list[Share]]:
         unit = self.unit
-        me = Share(holds=holds * unit, wants=self.wants * unit, floor=self.floor * unit)
-        return me, [Share(int(o["holds"]), int(o["wants"]), int(o["floor"])) for o in self.others]
+        me = Share(holds=holds * unit, wants=self.wants * unit, floor=self.floor * unit, needs=self.needs * unit)
+        return me, [
+            Share(
+                int(o["holds"]), int(o["wants"]), int(o["floor"]), None if o.get("needs") is None else int(o["needs"])
+            )
+            for o in self.others
+        ]
 
     def _within_budget(
         self, limit: int, new: int | None, settled: int | None, now: float | None = None
@@ -355,6 +368,7 @@ class Autoscaler:
             "floor": self.floor * unit,
             "holds": self.held_blocks * unit,
             "wants": self.wants * unit,
+            "needs": self.needs * unit,
         }
         for view in views:
             if view.ledger.record != record:
@@ -371,7 +385,7 @@ class Autoscaler:
             "shared_budget": self.budget,
             "held_bytes": self.held_blocks * self.unit if self.budget is not None else None,
             "devices": list(self.devices) if self.budget is not None else None,
-            "others": [{k: o.get(k) for k in ("label", "holds", "wants", "floor")} for o in self.others],
+            "others": [{k: o.get(k) for k in ("label", "holds", "wants", "needs", "floor")} for o in self.others],
             "ledger_locked_s": self.ledger_busy.seconds(time.monotonic()),
             "failing_s": self.failing.seconds(time.monotonic()),
         }
