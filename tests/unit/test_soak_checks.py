@@ -1,0 +1,206 @@
+"""The fault soak's invariant checker and fault scheduler
+(``benchmarks/_soak_checks.py``) on injected readings: each invariant's
+violation is found, and a clean series passes. No engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+MIB = 1 << 20
+BLOCK = 256 * 1024
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("_soak_checks", BENCHMARKS / "_soak_checks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+checks = _load()
+
+
+def status(limit: int, in_use: int = 0, others: list | None = None) -> dict:
+    return {
+        "kv_cache_limit_bytes": limit,
+        "num_blocks_in_use": in_use,
+        "bytes_per_block": BLOCK,
+        "autoscale": {"others": others or []},
+    }
+
+
+def entry(pid: int, holds: int) -> dict:
+    return {"label": f"host pid {pid}", "pid": pid, "holds": holds, "budget": 16 * MIB}
+
+
+def reading(t: float, holds: dict[int, int], limits: dict[int, int], states: dict[int, str] | None = None, **kw):
+    """Instances a, b, c with engine cores 101, 102, 103."""
+    states = states or {}
+    instances = {}
+    for pid, name in ((101, "a"), (102, "b"), (103, "c")):
+        state = states.get(pid, "up")
+        instances[name] = checks.Instance(
+            state, 16 * MIB, {pid, pid + 1000} if state != "down" else set(), status(limits.get(pid, 0), **kw)
+        )
+    ledger = [entry(pid, h) for pid, h in holds.items()]
+    return checks.Reading(t, 16 * MIB, ledger, instances, None)
+
+
+def clean_series(checker) -> None:
+    for t in range(10):
+        holds = {101: 4 * MIB + t * BLOCK, 102: 4 * MIB, 103: 4 * MIB}
+        checker.sample(reading(float(t), holds, {p: h for p, h in holds.items()}))
+
+
+def test_a_clean_series_passes() -> None:
+    checker = checks.Checker(checks.Bounds())
+    clean_series(checker)
+    checker.request("a", 1.0, 3.0, None)
+    checker.tracebacks(5.0, "a-1", 1)
+    checker.finish(10.0)
+    assert checker.violations == []
+    assert checker.summary()["worst"]["ledger_over_budget_bytes"] == 12 * MIB + 9 * BLOCK - 16 * MIB
+
+
+def test_ledger_over_budget_is_a_violation_unless_an_instance_starts() -> None:
+    checker = checks.Checker(checks.Bounds())
+    over = {101: 8 * MIB, 102: 8 * MIB, 103: BLOCK}
+    checker.sample(reading(1.0, over, {}))
+    assert [v["invariant"] for v in checker.violations] == ["a"]
+    assert checker.violations[0]["held"] == 16 * MIB + BLOCK
+    # The start-up reservation of c (its cap) may go over, by at most that cap.
+    checker = checks.Checker(checks.Bounds())
+    checker.sample(reading(1.0, {101: 8 * MIB, 102: 8 * MIB, 103: 16 * MIB}, {}, {103: "starting"}))
+    assert checker.violations == []
+    checker.sample(reading(2.0, {101: 8 * MIB, 102: 8 * MIB + BLOCK, 103: 16 * MIB}, {}, {103: "starting"}))
+    assert [v["invariant"] for v in checker.violations] == ["a"]
+
+
+def test_committed_beyond_the_hold_by_more_than_a_chunk() -> None:
+    checker = checks.Checker(checks.Bounds())
+    checker.sample(reading(1.0, {101: 4 * MIB}, {101: 4 * MIB + BLOCK}))  # one chunk over: allowed
+    assert checker.violations == []
+    checker.sample(reading(2.0, {101: 4 * MIB}, {101: 4 * MIB + 2 * BLOCK}))
+    assert [(v["invariant"], v["instance"]) for v in checker.violations] == [("b", "a")]
+    # Blocks in use above a draining limit are committed too.
+    checker = checks.Checker(checks.Bounds())
+    checker.sample(reading(1.0, {101: 4 * MIB, 102: MIB, 103: MIB}, {101: 2 * MIB}, in_use=24))
+    assert {v["instance"] for v in checker.violations} == {"a", "b", "c"}  # 24 blocks = 6 MiB
+
+
+def test_requests_fail_or_wait_only_on_their_own_faults() -> None:
+    checker = checks.Checker(checks.Bounds(request_s=30.0, grace_s=5.0))
+    checker.excuse("a", 100.0)
+    checker.back("a", 150.0)
+    checker.request("a", 90.0, 101.0, "ConnectionError")  # a was killed meanwhile
+    checker.request("a", 152.0, 190.0, None)  # within the grace after a came back
+    assert checker.violations == []
+    checker.request("b", 90.0, 101.0, "ConnectionError")  # b was not faulted
+    checker.request("a", 160.0, 191.0, None)  # 31 s, after the grace
+    assert [(v["invariant"], v["instance"]) for v in checker.violations] == [("c", "b"), ("c", "a")]
+    assert checker.summary()["requests"] == {"sent": 4, "completed": 2, "failed": 1, "failed_excused": 1}
+
+
+def test_a_killed_share_must_be_freed_within_the_bound() -> None:
+    checker = checks.Checker(checks.Bounds(freed_s=10.0))
+    checker.killed({101, 1101}, 0.0, "a")
+    # Gone from the ledger, still in b's others at 5 s; gone at 6 s.
+    b_sees_a = [{"label": "host pid 101", "holds": 4 * MIB}]
+    checker.sample(reading(5.0, {102: 4 * MIB}, {}, {101: "down"}, others=b_sees_a))
+    checker.sample(reading(6.0, {102: 4 * MIB}, {}, {101: "down"}))
+    assert checker.violations == []
+    assert checker.summary()["worst"]["freed_s"] == 6.0
+    checker.killed({101}, 20.0, "a")
+    checker.sample(reading(31.0, {101: 4 * MIB, 102: 4 * MIB}, {}, {101: "down"}))  # an orphan still holds it
+    assert [(v["invariant"], v["pid"]) for v in checker.violations] == [("d", 101)]
+
+
+def test_a_restart_must_join_within_the_bound() -> None:
+    checker = checks.Checker(checks.Bounds(join_s=60.0))
+    checker.restarting("a", 0.0)
+    checker.sample(reading(30.0, {102: MIB}, {}, {101: "up"}))  # serves, but holds no entry yet
+    checker.sample(reading(40.0, {101: MIB, 102: MIB}, {}))
+    assert checker.violations == [] and checker.summary()["worst"]["join_s"] == 40.0
+    checker.restarting("b", 50.0)
+    checker.sample(reading(111.0, {101: MIB}, {}, {102: "starting"}))
+    assert [(v["invariant"], v["instance"]) for v in checker.violations] == [("e", "b")]
+    checker.restarting("c", 120.0)
+    checker.finish(130.0)  # never joined before the end
+    assert [v["instance"] for v in checker.violations] == ["b", "c"]
+
+
+def test_a_second_traceback_in_an_episode_is_reported_once() -> None:
+    checker = checks.Checker(checks.Bounds())
+    checker.tracebacks(1.0, "a-1", 1)
+    checker.tracebacks(2.0, "a-2", 1)
+    assert checker.violations == []
+    checker.tracebacks(3.0, "a-2", 2)
+    checker.tracebacks(4.0, "a-2", 3)
+    assert [(v["invariant"], v["episode"], v["tracebacks"]) for v in checker.violations] == [("f", "a-2", 2)]
+
+
+def test_the_scheduler_replays_a_seed_and_keeps_its_bounds() -> None:
+    first = checks.FaultScheduler(7, ["kill", "stop", "lock"], ["a", "b", "c"], 30.0, 60.0)
+    again = checks.FaultScheduler(7, ["kill", "stop", "lock"], ["a", "b", "c"], 30.0, 60.0)
+    faults = [first.next(100.0 * i) for i in range(200)]
+    assert faults == [again.next(100.0 * i) for i in range(200)]
+    assert all(30.0 <= f.at - 100.0 * i <= 60.0 for i, f in enumerate(faults))
+    assert {f.kind for f in faults} == {"kill", "stop", "lock"} and {f.target for f in faults} == {"a", "b", "c"}
+    assert all(20.0 <= f.hold_s <= 60.0 for f in faults if f.kind == "stop")
+    assert all(5.0 <= f.hold_s <= 30.0 for f in faults if f.kind == "lock")
+    assert all(f.hold_s == 0.0 for f in faults if f.kind == "kill")
+    other = checks.FaultScheduler(8, ["kill", "stop", "lock"], ["a", "b", "c"], 30.0, 60.0)
+    assert [other.next(100.0 * i) for i in range(200)] != faults
+
+
+@pytest.mark.parametrize(
+    ("kinds", "lo", "hi", "quoted"),
+    [(["kill", "melt"], 1.0, 2.0, "'melt'"), ([], 1.0, 2.0, "at least one"), (["kill"], 5.0, 2.0, "5.0-2.0")],
+)
+def test_the_scheduler_refuses_bad_settings(kinds: list[str], lo: float, hi: float, quoted: str) -> None:
+    with pytest.raises(ValueError, match=quoted):
+        checks.FaultScheduler(1, kinds, ["a"], lo, hi)
+
+
+def test_read_ledger_counts_live_valid_entries_and_waits_for_the_lock_with_a_bound(tmp_path: Path) -> None:
+    import fcntl
+    import json
+    import os
+    import time
+
+    folder = tmp_path / "budget-cpu-node0"
+    folder.mkdir()
+    (folder / "ledger.lock").touch()
+    records = {
+        "live.entry": {"budget": 16 * MIB, "floor": MIB, "holds": 3 * MIB, "wants": 3 * MIB, "label": "h pid 42"},
+        "dead.entry": {"budget": 16 * MIB, "floor": MIB, "holds": 5 * MIB, "wants": 5 * MIB, "label": "h pid 43"},
+        "planted.entry": {"budget": 0, "floor": MIB, "holds": "lots", "wants": 0},
+    }
+    held = []
+    for name, record in records.items():
+        (folder / name).write_text(json.dumps(record))
+        if name != "dead.entry":  # its owner is gone: nobody holds its lock
+            fd = os.open(folder / name, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held.append(fd)
+    try:
+        entries, locked = checks.read_ledger(tmp_path)
+        assert locked and [(e["holds"], e["pid"]) for e in entries] == [(3 * MIB, 42)]
+        lock = os.open(folder / "ledger.lock", os.O_RDONLY)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held from outside
+        held.append(lock)
+        began = time.monotonic()
+        entries, locked = checks.read_ledger(tmp_path, wait_s=0.2)
+        assert not locked and [e["pid"] for e in entries] == [42]
+        assert time.monotonic() - began < 5
+    finally:
+        for fd in held:
+            os.close(fd)
