@@ -3,7 +3,7 @@ trace (``AzureLLMInferenceTrace_conv.csv``, 19,365 requests) replayed by
 two instances of the tiny Llama at once (both on the same hour), through
 ``vllm-kv-sim``'s scenarios, timed on the wall clock of this machine.
 
-    .venv/bin/python benchmarks/bench_sim_speed.py --trace-dir /path/to/azure-llm-2023 [--minutes 60]
+    .venv/bin/python benchmarks/bench_sim_speed.py [--minutes 60] [--trace-dir FOLDER]
         [--scenarios even,autoscale] [--step-time a=0.005,b=0.0005,c=0.00005]
         [--aiconfigurator Qwen/Qwen3-8B --model Qwen/Qwen3-8B --budget 16G]
 
@@ -28,7 +28,7 @@ import _common as c
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace-dir", default=os.environ.get("VLLM_KV_SIM_TRACES"), required=False)
+    p.add_argument("--trace-dir", default=None, help="the Azure traces' folder (default: the package's copy)")
     p.add_argument("--minutes", type=float, default=60.0)
     p.add_argument("--scenarios", default="even,autoscale")
     p.add_argument("--model", default=None, help="model folder (default: the tiny Llama, built when missing)")
@@ -39,18 +39,18 @@ def main() -> None:
     p.add_argument("--system", default="h100_sxm")
     p.add_argument("--tag", default="sim_speed")
     args = p.parse_args()
-    if not args.trace_dir:
-        p.error("--trace-dir FOLDER (or $VLLM_KV_SIM_TRACES): the folder of the Azure traces")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.model is None:
         args.model = c.model_path(argparse.Namespace(model=None))
     timed = f",aiconfigurator={args.aiconfigurator}" if args.aiconfigurator else ""
     instance = f"model={args.model},max_model_len={args.max_model_len},trace=conv{timed}"
     argv = [
-        "--budget", args.budget, "--trace-dir", args.trace_dir, "--minutes", str(args.minutes),
+        "--budget", args.budget, "--minutes", str(args.minutes),
         "--step-time", args.step_time, "--system", args.system, "--scenarios", args.scenarios,
         "--instance", f"name=a,{instance}", "--instance", f"name=b,{instance}",
     ]  # fmt: skip
+    if args.trace_dir:
+        argv += ["--trace-dir", args.trace_dir]
     started = time.perf_counter()
     from vllm_kv_cache_limit.sim import cli, scenarios
 
