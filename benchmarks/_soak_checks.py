@@ -116,6 +116,10 @@ class Reading:
     ledger: list[dict[str, Any]]
     instances: dict[str, Instance]
     fault: str | None = None
+    before: list[dict[str, Any]] = field(default_factory=list)
+    """The ledger read just before the statuses (``ledger`` just after): a
+    hold that fell between them is compared at its old value, as the
+    status may show the limit before the fall."""
 
 
 def label_pid(label: Any) -> int | None:
@@ -246,18 +250,22 @@ class Checker:
         if held > allowed:
             self.violate(r.t, "a", held=held, budget=r.budget, allowed=allowed)
         by_pid = {e["pid"]: e for e in r.ledger if e.get("pid") is not None}
+        holds: dict[int, int] = {}
+        for e in [*r.before, *r.ledger]:
+            if e.get("pid") is not None:
+                holds[e["pid"]] = max(holds.get(e["pid"], 0), int(e["holds"]))
         for name, inst in r.instances.items():
-            self._committed(r.t, name, inst, by_pid)
+            self._committed(r.t, name, inst, holds)
         self._freed(r)
         self._joined(r, by_pid)
 
-    def _committed(self, t: float, name: str, inst: Instance, by_pid: dict[int, dict[str, Any]]) -> None:
+    def _committed(self, t: float, name: str, inst: Instance, by_pid: dict[int, int]) -> None:
         status = inst.status
         if inst.state != "up" or not status or not status.get("bytes_per_block"):
             return
         block = int(status["bytes_per_block"])
         committed = max(int(status.get("kv_cache_limit_bytes") or 0), int(status.get("num_blocks_in_use") or 0) * block)
-        holds = max((int(by_pid[p]["holds"]) for p in inst.pids if p in by_pid), default=0)
+        holds = max((by_pid[p] for p in inst.pids if p in by_pid), default=0)
         excess = committed - holds
         self.worst["committed_over_hold_bytes"] = max(self.worst["committed_over_hold_bytes"], excess)
         if excess > block:  # one chunk: a block on the CPU backend

@@ -12,7 +12,8 @@ on the ledger (read with the plugin's reader, ``budget_ledger``, under its
 lock where the lock is free within 0.5 s), each server's status route
 ``/kv_cache/max_memory``, ``/proc`` (the processes of each instance,
 their RSS and ``LazyFree``) and the servers' logs; every finished request
-is checked too. Writes ``benchmarks/results/soak_<name>.json`` (settings,
+is checked too; the exit status is 1 when any invariant was violated.
+Writes ``benchmarks/results/soak_<name>.json`` (settings,
 faults, violations, worst values, samples) and prints a one-screen table.
 The servers' logs are ``benchmarks/results/soak_<name>-<instance>-<start>.log``.
 
@@ -84,8 +85,7 @@ class Runner:
         """Stop the server (SIGTERM to its group, as ``api_servers`` does) and what is left of it."""
         if self.cm is not None:
             self.cm.__exit__(None, None, None)
-            pids = checks.group_pids(self.server.pid)
-            for pid in pids:  # an engine core that outlived its API server
+            for pid in checks.group_pids(self.server.pid):  # an engine core that outlived its API server
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self.cm, self.state = None, "down"
@@ -109,6 +109,7 @@ class Soak:
         self.samples: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.unlocked_reads = 0
+        self.logs: dict[Path, tuple[int, int]] = {}
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -131,6 +132,7 @@ class Soak:
 
     # -- readings --------------------------------------------------------------
     def sample(self) -> None:
+        before, _ = checks.read_ledger(self.lock_dir)
         statuses = {}
         for name, runner in self.runners.items():
             base = runner.base() if runner.state == "up" else None
@@ -138,15 +140,12 @@ class Soak:
                 statuses[name] = requests.get(base + ROUTE, timeout=2).json() if base else None
         ledger, locked = checks.read_ledger(self.lock_dir)
         self.unlocked_reads += not locked
-        instances = {}
-        for name, runner in self.runners.items():
-            instances[name] = checks.Instance(runner.state, runner.cap, runner.pids(), statuses.get(name))
+        instances = {n: checks.Instance(r.state, r.cap, r.pids(), statuses.get(n)) for n, r in self.runners.items()}
         with self.lock:
-            self.checker.sample(checks.Reading(self.now(), self.budget, ledger, instances, self.fault))
+            self.checker.sample(checks.Reading(self.now(), self.budget, ledger, instances, self.fault, before))
             for runner in self.runners.values():
-                if runner.server is not None and runner.server.log_path.exists():
-                    count = runner.server.log_path.read_text(errors="replace").count("Traceback (most recent call")
-                    self.checker.tracebacks(self.now(), runner.tag, count)
+                if runner.server is not None:
+                    self.checker.tracebacks(self.now(), runner.tag, self.tracebacks(runner.server.log_path))
         row: dict[str, Any] = {"t_s": round(self.now(), 1), "fault": self.fault, "held": [e["holds"] for e in ledger]}
         for name, inst in instances.items():
             scale = ((inst.status or {}).get("autoscale")) or {}
@@ -162,6 +161,18 @@ class Soak:
                 "lazyfree": mem and mem.get("LazyFree"),
             }
         self.samples.append(row)
+
+    def tracebacks(self, log: Path) -> int:
+        """The tracebacks in ``log`` so far, reading only what was added since the last call."""
+        offset, count = self.logs.get(log, (0, 0))
+        with contextlib.suppress(OSError), log.open("rb") as handle:
+            handle.seek(offset)
+            added = handle.read()
+            cut = added.rfind(b"\n") + 1  # whole lines only
+            count += added[:cut].count(b"Traceback (most recent call")
+            offset += cut
+        self.logs[log] = (offset, count)
+        return count
 
     def sampler(self) -> None:
         while not self.done.wait(1.0):
@@ -272,17 +283,14 @@ class Soak:
 
 def mount_tmpfs(folder: Path, size: str) -> bool:
     """Mount a tmpfs of ``size`` on ``folder`` (as root), so that ``fill`` can fill it; whether it worked."""
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(folder)], capture_output=True
-    )
-    return done.returncode == 0
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(folder)]
+    return subprocess.run(mount, capture_output=True).returncode == 0
 
 
 def report(soak: Soak, kinds: list[str]) -> dict[str, Any]:
     summary = soak.checker.summary()
     by_kind = {kind: sum(1 for f in soak.faults if f["kind"] == kind) for kind in kinds}
-    print("\nfaults: " + ", ".join(f"{k} {n}" for k, n in by_kind.items()))
-    print("requests: " + ", ".join(f"{k} {v}" for k, v in summary["requests"].items()))
+    print("\nfaults: " + ", ".join(f"{k} {n}" for k, n in by_kind.items()), "\nrequests:", summary["requests"])
     rows = [{"value": k, "worst": v} for k, v in summary["worst"].items()]
     rows += [{"value": "ledger reads not under its lock", "worst": soak.unlocked_reads}]
     for name in soak.runners:  # reported, not checked: activations move it as much as the KV cache
@@ -290,9 +298,7 @@ def report(soak: Soak, kinds: list[str]) -> dict[str, Any]:
         summary["worst"][f"worker_rss_less_lazyfree_mib_{name}"] = c.mib(max(kept, default=0))
         rows += [{"value": f"worker RSS - LazyFree of {name}, MiB (max)", "worst": c.mib(max(kept, default=0))}]
     c.print_table(rows, [("value", "invariant value"), ("worst", "worst")])
-    print(f"violations: {len(summary['violations'])}")
-    for v in summary["violations"][:20]:
-        print("  " + json.dumps(v))
+    print(f"violations: {len(summary['violations'])}", *(json.dumps(v) for v in summary["violations"][:20]), sep="\n  ")
     return {**summary, "faults_by_kind": by_kind}
 
 
@@ -316,12 +322,9 @@ def main() -> None:
     parser.add_argument("--start-min", type=float, default=8.0, help="first minute of the traces (default 8)")
     parser.add_argument("--speed", type=float, default=1.0, help="arrivals this many times faster (default 1)")
     parser.add_argument("--keep", type=int, default=5, help="send every N-th request of the trace (default 5)")
-    parser.add_argument("--prompt-div", type=int, default=8)
-    parser.add_argument("--prompt-cap", type=int, default=200)
-    parser.add_argument("--gen-div", type=int, default=2)
-    parser.add_argument("--gen-cap", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
+    shape = {"prompt-div": 8, "prompt-cap": 200, "gen-div": 2, "gen-cap": 64, "max-model-len": 512, "max-num-seqs": 16}
+    for flag, default in shape.items():  # the requests (as bench_shared_replay.py) and the servers
+        parser.add_argument(f"--{flag}", type=int, default=default, help=f"(default {default})")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--name", default="soak")
     args = parser.parse_args()
@@ -387,6 +390,8 @@ def main() -> None:
     payload |= {"faults": soak.faults, "bounds": vars(soak.checker.bounds), "samples": soak.samples}
     out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     print(f"\nresults: {out}")
+    if summary["violations"]:  # make soak-ci fails
+        raise SystemExit(f"{len(summary['violations'])} violations of the invariants: see {out}")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,18 @@ def test_committed_beyond_the_hold_by_more_than_a_chunk() -> None:
     assert {v["instance"] for v in checker.violations} == {"a", "b", "c"}  # 24 blocks = 6 MiB
 
 
+def test_a_hold_that_fell_while_the_status_was_read_counts_at_its_old_value() -> None:
+    checker = checks.Checker(checks.Bounds())
+    fell = reading(1.0, {101: 2 * MIB}, {101: 4 * MIB})  # the status shows the limit before the fall
+    fell.before = [entry(101, 4 * MIB)]
+    checker.sample(fell)
+    assert checker.violations == []
+    grew = reading(2.0, {101: 2 * MIB}, {101: 4 * MIB})  # held 2 MiB before and after: 4 MiB is over
+    grew.before = [entry(101, 2 * MIB)]
+    checker.sample(grew)
+    assert [v["invariant"] for v in checker.violations] == ["b"]
+
+
 def test_requests_fail_or_wait_only_on_their_own_faults() -> None:
     checker = checks.Checker(checks.Bounds(request_s=30.0, grace_s=5.0))
     checker.excuse("a", 100.0)
