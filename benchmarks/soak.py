@@ -298,6 +298,7 @@ def report(soak: Soak, kinds: list[str]) -> dict[str, Any]:
         summary["worst"][f"worker_rss_less_lazyfree_mib_{name}"] = c.mib(max(kept, default=0))
         rows += [{"value": f"worker RSS - LazyFree of {name}, MiB (max)", "worst": c.mib(max(kept, default=0))}]
     c.print_table(rows, [("value", "invariant value"), ("worst", "worst")])
+    print("slowest request checked:", summary["slowest"])
     print(f"violations: {len(summary['violations'])}", *(json.dumps(v) for v in summary["violations"][:20]), sep="\n  ")
     return {**summary, "faults_by_kind": by_kind}
 
