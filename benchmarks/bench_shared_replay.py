@@ -328,13 +328,20 @@ def _terminate(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # api_servers' cleanup stops the servers
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_common_args(parser)
+def add_replay_args(parser: argparse.ArgumentParser, start_min: float, minutes: float, speed: float, bind: str) -> None:
+    """The options of a replay (the traces, the requests, the servers, the
+    goodput's SLOs, the sampling, the CPUs), with these defaults; also
+    benchmark 11's."""
     parser.add_argument("--trace-dir", type=Path, default=c.REPO.parent / "shared" / "data" / "azure-llm-2023")
-    parser.add_argument("--start-min", type=float, default=8.0, help="first minute of each trace (default 8)")
-    parser.add_argument("--minutes", type=float, default=6.0, help="minutes of trace replayed (default 6)")
-    parser.add_argument("--speed", type=float, default=2.0, help="arrivals this many times faster (default 2)")
+    parser.add_argument(
+        "--start-min", type=float, default=start_min, help=f"first minute of each trace (default {start_min:g})"
+    )
+    parser.add_argument(
+        "--minutes", type=float, default=minutes, help=f"minutes of trace replayed (default {minutes:g})"
+    )
+    parser.add_argument(
+        "--speed", type=float, default=speed, help=f"arrivals this many times faster (default {speed:g})"
+    )
     parser.add_argument("--prompt-div", type=int, default=8, help="prompt = ContextTokens / this (default 8)")
     parser.add_argument("--prompt-cap", type=int, default=400, help="at most this many prompt tokens (default 400)")
     parser.add_argument("--gen-div", type=int, default=2, help="max_tokens = GeneratedTokens / this (default 2)")
@@ -347,13 +354,19 @@ def main() -> None:
     parser.add_argument("--tpot-slo", type=float, default=0.1, help="goodput: TPOT at most (s, default 0.1)")
     parser.add_argument("--sample-s", type=float, default=0.5, help="status polled every (s, default 0.5)")
     parser.add_argument("--shrink-after-s", type=float, default=None, help="the hysteresis (default: the plugin's)")
-    parser.add_argument("--variants", nargs="+", choices=[EVEN, SHARED], default=[EVEN, SHARED])
     parser.add_argument(
         "--bind",
         choices=["split", "auto"],
-        default="split",
-        help="split: each server's worker on a CPU of its own (default); auto: vLLM's binding (both on one CPU)",
+        default=bind,
+        help=f"split: each server's worker on a CPU of its own; auto: vLLM's binding, both on one CPU (default {bind})",
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_common_args(parser)
+    add_replay_args(parser, start_min=8.0, minutes=6.0, speed=2.0, bind="split")
+    parser.add_argument("--variants", nargs="+", choices=[EVEN, SHARED], default=[EVEN, SHARED])
     parser.add_argument("--name", default="shared_replay")
     args = parser.parse_args()
     model = c.model_path(args)
