@@ -43,13 +43,17 @@ def _argv(args: argparse.Namespace, budget: str) -> list[str]:
         "--minutes", str(args.minutes), "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
         "--drain", str(args.drain),
     ]  # fmt: skip
+    from vllm_kv_cache_limit.sim.aiconfigurator import model_folder
+
     names = list(MODELS)[: args.models]
     for name in names:
         model, trace = MODELS[name]
         start = f",start_min={args.third_start_min}" if name == "qwen-small" else ""
+        # The folder of the config aiconfigurator-core ships: the plan scenario's vllm-kv-plan reads model= as is.
+        folder = model_folder(model) or model
         argv += [
             "--instance",
-            f"name={name},model={model},aiconfigurator={model},max_model_len={args.max_model_len},"
+            f"name={name},model={folder},aiconfigurator={model},max_model_len={args.max_model_len},"
             f"trace={trace},time_scale={args.time_scale}{start}",
         ]
     return argv
