@@ -5,6 +5,8 @@ Every decision runs where the engine core's steps run, never beside one."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -23,10 +25,25 @@ def start_waking(engine_core: Any, scaler: Autoscaler, wakeup: Any) -> threading
     """A daemon thread that puts vLLM's own ``WAKEUP`` into an idle engine
     core's input queue every ``TICK_S``, so that the autoscaler also decides
     while no request arrives (an idle engine core blocks on that queue).
-    It only enqueues: every decision runs in the engine core's thread."""
+    It only enqueues: every decision runs in the engine core's thread.
+
+    With a shared budget it also shuts the engine core down (``SIGTERM``,
+    vLLM's own shutdown) once the process that started it is gone: vLLM
+    leaves an engine core whose API server died alone running, with its KV
+    cache and its ledger entry, and no client can reach it, so its share
+    would never go back to the other instances."""
+    parent = os.getppid()
 
     def run() -> None:
         while not scaler.stop.wait(TICK_S):
+            if scaler.budget is not None and os.getppid() != parent:
+                logger.error(
+                    "KV cache autoscale: the process that started this engine core (pid %d) is gone; shutting the "
+                    "engine core down so that its share of the shared budget goes back to the other instances.",
+                    parent,
+                )
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
             queue = getattr(engine_core, "input_queue", None)
             if queue is not None and queue.empty():
                 queue.put_nowait((wakeup, None))

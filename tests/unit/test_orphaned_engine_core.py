@@ -1,0 +1,76 @@
+"""An engine core whose client process died (an API server SIGKILLed alone)
+shuts itself down, so that its share of the shared budget goes back: vLLM
+leaves such an engine core running, with its KV cache and its ledger entry,
+and no client can reach it (found by the fault soak, benchmarks/soak.py,
+RESULTS.md 13). Real processes: the client, and the engine core's process
+running the autoscaler's wake-up thread (``wakeups.start_waking``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ENGINE_CORE = textwrap.dedent(
+    """
+    import queue, signal, sys, threading, time
+    from types import SimpleNamespace
+    from vllm_kv_cache_limit.hooks.runtime import wakeups
+
+    marker = sys.argv[1]
+
+    def on_term(signum, frame):  # vLLM's engine core shuts down on SIGTERM
+        open(marker, "w").write("SIGTERM")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    core = SimpleNamespace(input_queue=queue.Queue())
+    scaler = SimpleNamespace(stop=threading.Event(), budget=8 << 20)
+    wakeups.start_waking(core, scaler, "WAKEUP")
+    open(marker + ".ready", "w").write("ready")
+    time.sleep(60)
+    """
+)
+CLIENT = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+    print(child.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def _wait(path: Path, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if path.exists():
+            return True
+        time.sleep(0.1)
+    return path.exists()
+
+
+def test_an_engine_core_whose_client_died_shuts_down(tmp_path: Path) -> None:
+    marker = tmp_path / "engine-core"
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, ENGINE_CORE, str(marker)], stdout=subprocess.PIPE, text=True
+    )
+    assert client.stdout is not None
+    core_pid = int(client.stdout.readline())
+    try:
+        assert _wait(Path(f"{marker}.ready"), 120), "the engine core's process did not start its wake-ups"
+        assert not marker.exists()  # premise: its client lives, so it runs on
+        os.kill(client.pid, signal.SIGKILL)
+        client.wait()
+        assert _wait(marker, 10), "the engine core ran on for 10 s after its client died"
+        assert marker.read_text() == "SIGTERM"
+    finally:
+        for pid in (client.pid, core_pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
