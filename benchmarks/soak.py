@@ -114,7 +114,6 @@ class Soak:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    # -- traffic ---------------------------------------------------------------
     def replay(self, runner: Runner, inflight: list[threading.Thread]) -> None:
         for index, (at, prompt, max_tokens) in enumerate(runner.trace):
             if self.done.wait(max(0.0, at - self.now())):
@@ -130,7 +129,6 @@ class Soak:
             thread.start()
             inflight.append(thread)
 
-    # -- readings --------------------------------------------------------------
     def sample(self) -> None:
         before, _ = checks.read_ledger(self.lock_dir)
         statuses = {}
@@ -144,8 +142,10 @@ class Soak:
         with self.lock:
             self.checker.sample(checks.Reading(self.now(), self.budget, ledger, instances, self.fault, before))
             for runner in self.runners.values():
-                if runner.server is not None:
-                    self.checker.tracebacks(self.now(), runner.tag, self.tracebacks(runner.server.log_path))
+                if runner.server is not None:  # by its log's episode (a start in progress has no log yet)
+                    self.checker.tracebacks(
+                        self.now(), runner.server.log_path.stem, self.tracebacks(runner.server.log_path)
+                    )
         row: dict[str, Any] = {"t_s": round(self.now(), 1), "fault": self.fault, "held": [e["holds"] for e in ledger]}
         for name, inst in instances.items():
             scale = ((inst.status or {}).get("autoscale")) or {}
@@ -181,7 +181,6 @@ class Soak:
             except Exception as exc:  # a reading that failed is logged, the next one tried
                 print(f"{self.now():7.1f} s  sample failed: {exc!r}", flush=True)
 
-    # -- faults ----------------------------------------------------------------
     def restart(self, runner: Runner) -> None:
         self.checker.restarting(runner.name, self.now())
         server = runner.start()
@@ -377,6 +376,7 @@ def main() -> None:
             stuck = sum(t.is_alive() for t in inflight)
             if stuck:
                 soak.checker.violate(soak.now(), "c", error=f"{stuck} requests still running at the end")
+            soak.sample()  # a restart that joined after the last reading joined in time
             soak.checker.finish(soak.now())
         finally:
             for runner in runners.values():
