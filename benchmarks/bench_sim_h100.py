@@ -100,18 +100,23 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.perf_counter()
+    from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError
     from vllm_kv_cache_limit.logic.sizes import parse_size
     from vllm_kv_cache_limit.sim import cli, scenarios
 
     setup, names = cli.setup_from(cli.parser().parse_args(_argv(args, args.budget) + ["--scenarios", args.scenarios]))
     rows: list[dict[str, Any]] = []
 
-    def run(setting: str, name: str, which: Any) -> dict[str, Any]:
+    def run(setting: str, name: str, which: Any) -> None:
         mark = time.perf_counter()
-        row = _row(setting, scenarios.run(name, which), time.perf_counter() - mark)
+        try:
+            row = _row(setting, scenarios.run(name, which), time.perf_counter() - mark)
+        except KVCacheMaxMemoryError as exc:  # a setting the plugin refuses: said, and the others still run
+            print(f"{setting} {name}: refused: {exc}", flush=True)
+            rows.append({"setting": setting, "scenario": name, "refused": str(exc)})
+            return
         rows.append(row)
         print(f"{setting} {name}: {row['good']} good, {row['wall_s']:.0f} s wall", flush=True)
-        return row
 
     reference, _ = cli.setup_from(cli.parser().parse_args(_argv(args, args.reference_budget)))
     run(f"reference {args.reference_budget}", "oracle", reference)
@@ -127,10 +132,10 @@ def main() -> None:
         varied = copy.copy(setup)
         varied.floors = [parse_size(floor)] * len(setup.specs)
         run(f"floor {floor}", "autoscale", varied)
-    best = {r["scenario"]: r["good"] for r in rows if r["setting"] == f"budget {args.budget}"}
+    best = {r["scenario"]: r.get("good") for r in rows if r["setting"] == f"budget {args.budget}"}
     for row in rows:
         for base in ("even", "plan", "oracle"):
-            if best.get(base):
+            if best.get(base) and "good" in row:
                 row[f"vs_{base}"] = row["good"] / best[base]
     instance_names = list(MODELS)[: args.models]
     columns = [("setting", "setting"), ("scenario", "scenario"), ("good", "good")]
@@ -140,7 +145,8 @@ def main() -> None:
     columns += [("vs_even", "/even"), ("vs_plan", "/plan"), ("vs_oracle", "/oracle"), ("device_busy", "busy")]
     for row in rows:
         for name in instance_names:
-            row[f"{name}_good"] = f"{row[f'{name}_good']}/{row[f'{name}_reqs']}"
+            if f"{name}_reqs" in row:
+                row[f"{name}_good"] = f"{row[f'{name}_good']}/{row[f'{name}_reqs']}"
     c.print_table(rows, columns, digits=2)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=c.REPO)
     policy = ["vllm_kv_cache_limit/logic/autoscale_policy.py", "vllm_kv_cache_limit/hooks/runtime/autoscaler.py"]
