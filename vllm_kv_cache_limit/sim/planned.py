@@ -19,6 +19,7 @@ from typing import Any
 from vllm_kv_cache_limit.logic.sizes import format_size
 from vllm_kv_cache_limit.plan import build_parser, load_model_kv_cache, make_plan
 from vllm_kv_cache_limit.plan.introspect import quiet_vllm
+from vllm_kv_cache_limit.sim.aiconfigurator import model_folder
 from vllm_kv_cache_limit.sim.instance import SimulationError
 
 
@@ -32,7 +33,8 @@ def _kv_cache(model: str, max_model_len: int, block_size: int, dtype: str) -> An
 
 def plan_caps(specs: Sequence[Any], budget_bytes: int) -> list[tuple[int, int, str]]:
     """Each instance's (cap in bytes, concurrency, the planner's size text), the caps together within the budget."""
-    kvs = [_kv_cache(s.model, s.max_model_len, s.block_size, s.dtype) for s in specs]
+    # A Hugging Face name with a config aiconfigurator-core ships: the folder holding only it (offline).
+    kvs = [_kv_cache(model_folder(s.model) or s.model, s.max_model_len, s.block_size, s.dtype) for s in specs]
     plans = [make_plan(kv, 1) for kv in kvs]
     total = sum(p.suggested_bytes for p in plans)
     if total > budget_bytes:
