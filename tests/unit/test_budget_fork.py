@@ -31,13 +31,19 @@ OWNER = textwrap.dedent(
     ledger = Ledger(sys.argv[1], sys.argv[2], label="owner")
     with ledger.transaction() as view:
         view.write({"budget": 1000, "floor": 7, "holds": 123, "wants": 0})
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: outlives the owner, 60 s at most
+        # os.fork ran the after-fork handlers before returning here: say so,
+        # or the owner could die before the child closed its copies.
+        os.write(ready_w, b"1")
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1):
             os.dup2(devnull, fd)
         time.sleep(60)
         os._exit(0)
+    os.close(ready_w)
+    assert os.read(ready_r, 1) == b"1"
     print("forked", pid, ledger.entry_name, flush=True)
     sys.stdin.readline()
     os._exit(0)  # dies without leaving the ledger, as after a crash: only the kernel drops its locks

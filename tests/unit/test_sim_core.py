@@ -117,3 +117,18 @@ def test_the_shared_budget_moves_between_instances(tiny_model: str) -> None:
     assert max(max(limits) for _, limits in even["limits"]) == 100
     for name in ("i0", "i1"):
         assert shared["instances"][name]["e2e_s"]["p90"] < even["instances"][name]["e2e_s"]["p90"]
+
+
+def test_timeline_sums_the_waiting_blocks_only_for_the_plot(tiny_model: str) -> None:
+    """A burst that queues on a small budget: with ``waiting_blocks`` (what
+    ``--plot`` sets) each timeline point carries the blocks the waiting
+    prompts need, ceil(400 / 16) = 25 a request; without it that walk of
+    the queue is skipped (None) and the rest of the timeline is the same."""
+    burst = [Arrival(0.5 + i * 0.01, 400, 40) for i in range(40)]
+    plotted = scenarios.run("even", _setup(tiny_model, [burst], 100, waiting_blocks=True))["timelines"]["i0"]
+    plain = scenarios.run("even", _setup(tiny_model, [burst], 100))["timelines"]["i0"]
+    queued = [point for point in plotted if point[3] > 1]
+    assert queued, "the premise: requests waited"
+    assert all(point[4] == 25 * point[3] for point in queued), queued[:5]
+    assert all(point[4] is None for point in plain)
+    assert [point[:4] for point in plain] == [point[:4] for point in plotted]

@@ -255,6 +255,7 @@ def _run_all(names: list[str], setup: Any, args: argparse.Namespace) -> list[dic
     from vllm_kv_cache_limit.sim.scenarios import run
 
     total = max((a.at for t in setup.traffic for a in t), default=0.0)
+    setup.waiting_blocks = bool(args.plot)
     results = []
     for name in names:
         setup.progress, close = progress_bar(name, total, args.progress)

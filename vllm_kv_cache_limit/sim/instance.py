@@ -226,8 +226,11 @@ class Instance:
     requests: list[Request] = field(default_factory=list)
     steps: int = 0
     busy_s: float = 0.0
-    timeline: list[tuple[float, int, int, int, int]] = field(default_factory=list)
-    """(time, limit blocks, blocks in use, waiting requests, blocks their prompts need) after each step."""
+    timeline: list[tuple[float, int, int, int, int | None]] = field(default_factory=list)
+    """(time, limit blocks, blocks in use, waiting requests, blocks their prompts need) after each step;
+    the last is None unless ``waiting_blocks`` (it walks the whole waiting queue)."""
+    waiting_blocks: bool = False
+    """Whether each timeline point sums the blocks the waiting requests need (the plot's demand curve)."""
 
     @property
     def has_requests(self) -> bool:
@@ -297,8 +300,10 @@ class Instance:
         # The free queue itself: the oracle's pool answers get_num_free_blocks with what its budget leaves.
         used = pool.num_gpu_blocks - limit_math.NULL_BLOCKS - pool.free_block_queue.num_free_blocks - withheld
         waiting = self.core.scheduler.waiting
-        block = self.spec.block_size
-        wanted = sum(-(-r.num_tokens // block) for r in waiting)
+        wanted = None
+        if self.waiting_blocks:  # thousands of requests wait in an overloaded run: only for the plot
+            block = self.spec.block_size
+            wanted = sum(-(-r.num_tokens // block) for r in waiting)
         self.timeline.append((now, self.limit_blocks(), used, len(waiting), wanted))
 
     @property

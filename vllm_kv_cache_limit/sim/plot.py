@@ -47,7 +47,8 @@ def write_timeline(result: dict[str, Any], path: Path) -> Path | None:
         times = [p[0] for p in points]
         ax.step(times, [p[1] for p in points], where="post", label="limit")
         ax.plot(times, [p[2] for p in points], label="held")
-        ax.plot(times, [p[2] + p[4] for p in points], label="demand", linestyle="--")
+        if all(p[4] is not None for p in points):  # summed only when the run was told it plots
+            ax.plot(times, [p[2] + p[4] for p in points], label="demand", linestyle="--")
         ax.set_ylabel(f"{name}\nblocks")
         queue = ax.twinx()
         queue.plot(times, [p[3] for p in points], color="grey", alpha=0.5, label="waiting")

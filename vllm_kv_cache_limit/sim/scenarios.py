@@ -59,6 +59,8 @@ class Setup:
     verbose: bool = False
     device_bytes: int | None = None
     """The device's total memory (None: not checked; ``no-cap`` needs it)."""
+    waiting_blocks: bool = False
+    """Whether the timelines sum the blocks the waiting requests need (``--plot``; costs a walk of each queue)."""
     footprints: list[memory.Footprint] = field(default_factory=list)
     """Each instance's weights and activations (empty: estimated from its model folder)."""
     gpu_memory_utilization: float = 0.9
@@ -149,7 +151,9 @@ def _instances(name: str, setup: Setup, clock: VirtualClock, folder: str) -> tup
             continue
         executor = SimExecutor(clock, setup.step_times[index])
         core = build_engine_core(spec, cap, executor)
-        built.append(Instance(spec, core, executor, list(setup.traffic[index])))
+        instance = Instance(spec, core, executor, list(setup.traffic[index]))
+        instance.waiting_blocks = setup.waiting_blocks
+        built.append(instance)
     if name == "autoscale":
         floors = setup.floors or [None] * len(setup.specs)
         for instance, floor in zip(built, floors):
