@@ -231,16 +231,29 @@ def server_args(args: argparse.Namespace, model: str, *extra: str) -> list[str]:
     ]
 
 
-def binding(args: argparse.Namespace, server: str) -> dict[str, str]:
-    """The CPUs a server's worker runs on. vLLM's CPU backend binds each
-    engine's worker to the first CPU it does not reserve (``auto``), so two
-    servers on one host both compute on CPU 0 and wait for each other there:
-    ``split`` gives each its own CPU (``VLLM_CPU_OMP_THREADS_BIND``), as
-    vLLM's CPU docs advise for several instances on one host."""
-    if getattr(args, "bind", "auto") == "auto":  # callers that give no --bind keep vLLM's
-        return {}
+def binding(args: argparse.Namespace, server: str) -> tuple[dict[str, str], list[str]]:
+    """A server's CPUs: its environment and the command it starts under. vLLM's CPU backend binds each engine's worker to the
+    first CPU it does not reserve (``auto``), so two servers on one host
+    both compute on CPU 0 and wait for each other there. ``split`` gives
+    each worker its own CPU (``VLLM_CPU_OMP_THREADS_BIND``), as vLLM's CPU
+    docs advise for several instances on one host, but leaves the rest of
+    each server free to run anywhere: an engine core busy-waits for its
+    worker's output (vLLM's shared-memory queue yields in a loop for a
+    second after each read), and a busy server's engine core took 115 s of
+    the other server's CPU in 180 s, an amount that changes from run to
+    run. ``own`` runs each server's whole process tree on a CPU of its own
+    (``taskset``): the engine core's loop then yields to its own worker
+    (it took 23 s there), and neither server computes on the other's CPU,
+    as two models on separate GPUs would not."""
+    bind = getattr(args, "bind", "auto")
+    if bind == "auto":  # callers that give no --bind keep vLLM's
+        return {}, []
     cpus = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[list(SERVERS).index(server) % len(cpus)])}
+    cpu = str(cpus[list(SERVERS).index(server) % len(cpus)])
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cpu}
+    if bind == "split":
+        return env, []
+    return env, ["taskset", "-c", cpu]
 
 
 def run_variant(variant: str, args: argparse.Namespace, model: str, traces: dict, locks: Path) -> tuple[list, list]:
@@ -256,10 +269,14 @@ def run_variant(variant: str, args: argparse.Namespace, model: str, traces: dict
     if args.shrink_after_s is not None:
         env["VLLM_KV_CACHE_LIMIT_SHRINK_AFTER_S"] = f"{args.shrink_after_s:g}"
     tag = variant.replace(" ", "-")
-    launch: dict[str, Any] = {
-        f"{args.name}-{tag}-{s}": (server_args(args, model, *extra), c.bench_env(True, **env, **binding(args, s)))
-        for s in SERVERS
-    }
+    launch: dict[str, Any] = {}
+    for s in SERVERS:
+        bind_env, launcher = binding(args, s)
+        launch[f"{args.name}-{tag}-{s}"] = (
+            server_args(args, model, *extra),
+            c.bench_env(True, **env, **bind_env),
+            launcher,
+        )
     with api_servers(launch, c.RESULTS_DIR, c.ENGINE_TIMEOUT_S, c.REPO) as up:
         bases = {}
         for name, server in up.items():
@@ -356,16 +373,19 @@ def add_replay_args(parser: argparse.ArgumentParser, start_min: float, minutes: 
     parser.add_argument("--shrink-after-s", type=float, default=None, help="the hysteresis (default: the plugin's)")
     parser.add_argument(
         "--bind",
-        choices=["split", "auto"],
+        choices=["own", "split", "auto"],
         default=bind,
-        help=f"split: each server's worker on a CPU of its own; auto: vLLM's binding, both on one CPU (default {bind})",
+        help=(
+            "own: each server's processes on a CPU of its own; split: each server's worker on a CPU of its own, "
+            f"the rest anywhere; auto: vLLM's binding, both workers on one CPU (default {bind})"
+        ),
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_common_args(parser)
-    add_replay_args(parser, start_min=8.0, minutes=6.0, speed=2.0, bind="split")
+    add_replay_args(parser, start_min=8.0, minutes=6.0, speed=2.0, bind="own")
     parser.add_argument("--variants", nargs="+", choices=[EVEN, SHARED], default=[EVEN, SHARED])
     parser.add_argument("--name", default="shared_replay")
     args = parser.parse_args()

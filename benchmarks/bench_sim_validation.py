@@ -57,8 +57,10 @@ def calibrated(args: argparse.Namespace, model: str) -> Path:
     argv += ["--measurements", str(c.RESULTS_DIR / f"{args.name}_steps.csv")]
     argv += ["--engine-args", json.dumps({"max_num_batched_tokens": SERVER_BATCHED_TOKENS})]
     # In a child process: the calibration's engine runs in-process, the replay's servers must not share it.
+    # With --bind own it runs as a server then does, on one CPU with its engine core (the first server's).
     code = f"import sys; from vllm_kv_cache_limit.sim.calibrate import main; sys.exit(main({argv!r}))"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=c.REPO, env=c.bench_env(True))
+    env, launcher = replay.binding(args, next(iter(replay.SERVERS))) if args.bind == "own" else ({}, [])
+    subprocess.run([*launcher, sys.executable, "-c", code], check=True, cwd=c.REPO, env=c.bench_env(True, **env))
     return out
 
 

@@ -476,6 +476,19 @@ def test_reclaim_only_while_another_waits_below_its_fair_share_for_what_this_one
     assert not must_reclaim(Share(holds=10, wants=32, floor=5), [waiting], 48)
 
 
+def test_reclaim_preempts_for_the_others_need_not_its_headroom() -> None:
+    budget = 32
+    draining = Share(holds=27, wants=32, floor=5, needs=20)
+    # The needs fit (29 of 32): the other is entitled to 12, its need and a share of the rest as headroom.
+    # Its requests need 9 blocks and it holds 10, so none of them waits: the drain goes on, no preemption.
+    assert not must_reclaim(draining, [Share(holds=10, wants=32, floor=5, needs=9)], budget)
+    # Its requests need 14 blocks and it holds 10: they wait for what this one holds above its limit.
+    assert must_reclaim(draining, [Share(holds=10, wants=32, floor=5, needs=14)], budget)
+    # What it needs beyond its fair share is not reclaimed either: only up to the share.
+    assert must_reclaim(draining, [Share(holds=10, wants=32, floor=5, needs=30)], budget)
+    assert not must_reclaim(draining, [Share(holds=16, wants=32, floor=5, needs=30)], budget)
+
+
 def test_give_back_random_cases() -> None:
     rng = random.Random(99)
     gave = 0

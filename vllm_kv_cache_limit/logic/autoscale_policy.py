@@ -215,15 +215,17 @@ fair share; then the requests holding blocks above it are preempted."""
 
 
 def must_reclaim(me: Share, others: list[Share], budget: int, slack: int = 0) -> bool:
-    """Whether another instance holds less than it is entitled to (by more
-    than ``slack``: a chunk it cannot take whole), wishes for more than it
-    holds, and cannot grow there with what is free: the blocks ``me`` still
-    holds above a lowered limit are then needed, and a drain that waits for
-    its requests to finish must not last (they are preempted after
-    ``RECLAIM_AFTER_S``)."""
+    """Whether another instance holds less than it is entitled to and needs
+    (by more than ``slack``: a chunk it cannot take whole), and cannot grow
+    there with what is free: the blocks ``me`` still holds above a lowered
+    limit are then needed by the other's requests, and a drain that waits
+    for its own to finish must not last (they are preempted after
+    ``RECLAIM_AFTER_S``). Only the other's need counts, not its headroom: a
+    preemption throws away work, so it is done for requests that wait, and
+    headroom is given back by draining alone."""
     for index, other in enumerate(others):
         rest = [me, *others[:index], *others[index + 1 :]]
-        due = min(other.wants, entitlement(other, rest, budget))
+        due = min(other.need, entitlement(other, rest, budget))
         if other.holds + slack < due and budget - sum(s.holds for s in rest) < due:
             return True
     return False
