@@ -37,16 +37,17 @@ def _visits() -> None:
     Counted.visits = 0
 
 
-def test_ten_thousand_waiting_requests_are_visited_once_per_tick_and_arrivals_once() -> None:
+def test_ten_thousand_waiting_requests_are_visited_up_to_the_ceiling_once_per_tick_and_arrivals_once() -> None:
     """10,000 waiting requests of one block, a ceiling of 100: 40 steps of
-    10 ms, two requests arriving after each. Each tick visits every request
-    once; between ticks only the arrivals are visited, each once."""
+    10 ms, two requests arriving after each. Each tick visits requests until
+    their blocks reach the ceiling (every decision is the same above it);
+    between ticks only the arrivals are visited, each once."""
     engine = Engine()
     scaler = new_autoscaler(engine, None)
     scaler.ceiling = 100
     engine.requests = {str(i): Counted(1) for i in range(10_000)}
     tick(engine, scaler, 100.0)
-    assert engine.limit == 100 and scaler.demand == 10_000  # the premise: far above what the limit can grow to
+    assert engine.limit == 100 and scaler.demand == 100  # the premise: far above what the limit can grow to
     Counted.visits = 0
     reads = 0
     for step in range(1, 41):
@@ -56,10 +57,33 @@ def test_ten_thousand_waiting_requests_are_visited_once_per_tick_and_arrivals_on
         tick(engine, scaler, now)
         reads += due
         visited = Counted.visits - before
-        assert visited == (len(engine.requests) if due else 0), (step, visited)
+        assert visited == (scaler.ceiling if due else 0), (step, visited)
         for k in range(2):
             engine.requests[f"new-{step}-{k}"] = Counted(1)
-    assert 3 <= reads <= 4 and scaler.demand > 10_000  # once per 0.1 s, the arrivals counted
+    assert 3 <= reads <= 4 and scaler.demand == 100  # once per 0.1 s
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_demand_counted_up_to_the_ceiling_decides_as_the_whole_demand(seed: int) -> None:
+    """Why the reading may stop at the ceiling: two hystereses, one given
+    the whole demand and one the demand capped at the ceiling, make the same
+    decisions, wishes and needs through random demands, limits and times."""
+    import random
+
+    rng = random.Random(seed)
+    ceiling = rng.randint(8, 64)
+    policy = Policy(
+        floor=rng.randint(1, 6), blocks_per_request=rng.randint(1, 40), shrink_after_s=rng.choice([0.0, 0.5, 3.0])
+    )
+    whole, capped = Hysteresis(policy), Hysteresis(policy)
+    now, limit = 0.0, ceiling
+    for _ in range(300):
+        now += rng.choice([0.01, 0.1, 0.4, 2.0])
+        demand = rng.choice([0, rng.randint(0, ceiling), rng.randint(ceiling, 10 * ceiling)])
+        decided = whole.decide(now, demand, limit, ceiling)
+        assert capped.decide(now, min(demand, ceiling), limit, ceiling) == decided, (now, demand, limit)
+        assert (capped.target, capped.wish, capped.need) == (whole.target, whole.wish, whole.need)
+        limit = decided if decided is not None else rng.choice([limit, rng.randint(policy.floor, ceiling + 4)])
 
 
 def test_arrivals_that_need_more_blocks_than_the_limit_grow_it_at_once() -> None:

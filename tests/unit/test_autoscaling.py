@@ -189,17 +189,17 @@ def test_a_demand_held_above_the_ceiling_is_not_decided_again_before_the_tick() 
     scaler.hysteresis.decide = lambda now, demand, *rest: (decided.append(demand), original(now, demand, *rest))[1]  # type: ignore[method-assign]
     engine.requests = {str(i): Request(num_tokens=5, num_prompt_tokens=5, max_tokens=500) for i in range(8)}
     tick(engine, scaler, 100.0)
-    assert engine.limit == 30 and decided == [64]
+    assert engine.limit == 30 and decided == [30]  # 64 blocks, counted up to the ceiling
     # Steps 10 ms apart with the same demand, above the ceiling: no decision until the tick is due.
     for step in range(1, 9):
         tick(engine, scaler, 100.0 + step / 100)
-    assert decided == [64], decided
+    assert decided == [30], decided
     # One more request raises the demand: the limit cannot grow past the ceiling, so it waits for the tick too.
     engine.requests["new"] = Request(num_tokens=5, num_prompt_tokens=5, max_tokens=500)
     tick(engine, scaler, 100.095)
-    assert decided == [64], decided
+    assert decided == [30], decided
     tick(engine, scaler, 100.11)
-    assert decided == [64, 72], decided
+    assert decided == [30, 30], decided
 
 
 def test_an_unchanged_entry_is_not_written_again(pair, monkeypatch: pytest.MonkeyPatch) -> None:

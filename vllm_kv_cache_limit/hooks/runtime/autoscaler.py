@@ -147,8 +147,9 @@ class Autoscaler:
         """Blocks every unfinished request holds and will need to finish
         (its prompt and ``max_tokens``, at most ``max_model_len``), per KV
         cache group: an upper bound, so that a burst's limit grows as its
-        requests arrive, not once they wait for blocks."""
-        return self.reader.read(scheduler)
+        requests arrive, not once they wait for blocks. Counted up to the
+        ceiling: every decision is the same above it."""
+        return self.reader.read(scheduler, self.ceiling)
 
     def tick(self, engine_core: Any, pool_limit: Any, now: float | None = None) -> None:
         """One decision, at most every ``TICK_S`` unless requests that

@@ -45,15 +45,21 @@ class DemandReader:
         tokens = min(self.max_model_len, max(request.num_tokens + 1, request.num_prompt_tokens + request.max_tokens))
         return sum(min(most, -(-tokens // block_size)) for block_size, most in self.group_caps)
 
-    def read(self, scheduler: Any) -> int:
-        """The demand of every unfinished request (one pass over all of them)."""
+    def read(self, scheduler: Any, most: int | None = None) -> int:
+        """The demand of every unfinished request (one pass over them), at
+        most ``most`` blocks: the pass stops once it is reached. Why: the
+        autoscaler decides alike for every demand at or above its ceiling,
+        and a queue of thousands would otherwise be walked at each decision."""
         requests = scheduler.requests
         total, groups, most_tokens = 0, self.group_caps, self.max_model_len
         for request in requests.values():  # ``blocks`` inlined: this pass is the autoscaler's largest cost
             tokens = max(request.num_tokens + 1, request.num_prompt_tokens + request.max_tokens)
             tokens = min(most_tokens, tokens)
-            for block_size, most in groups:
-                total += min(most, -(-tokens // block_size))
+            for block_size, cap in groups:
+                total += min(cap, -(-tokens // block_size))
+            if most is not None and total >= most:
+                total = most
+                break
         self.estimate = total
         self.counted = dict(requests)
         return total
