@@ -132,3 +132,17 @@ def test_timeline_sums_the_waiting_blocks_only_for_the_plot(tiny_model: str) -> 
     assert all(point[4] == 25 * point[3] for point in queued), queued[:5]
     assert all(point[4] is None for point in plain)
     assert [point[:4] for point in plain] == [point[:4] for point in plotted]
+
+
+def test_arrivals_grow_the_limit_before_the_next_step_schedules_them(tiny_model: str) -> None:
+    """Four requests of 400 prompt tokens (25 blocks each) reach an idle
+    autoscaled instance at its floor (one request of ``max_model_len``)
+    together. A real engine core decides after each request reaches it (the
+    plugin's input-queue hook), so its limit grows before its next step, and
+    that step prefills all four: their first tokens at 1 s + A + C * 1600."""
+    arrivals = [Arrival(1.0, 400, 2) for _ in range(4)]
+    result = scenarios.run("autoscale", _setup(tiny_model, [arrivals], 400))
+    floor = min(limits[0] for _, limits in result["limits"])
+    assert floor < 4 * 400 // BLOCK  # the premise: the floor holds fewer than the four
+    firsts = [r.first_token for r in result["records"]["i0"]]
+    assert firsts == pytest.approx([1.0 + A + C * 1600] * 4, abs=1e-9)

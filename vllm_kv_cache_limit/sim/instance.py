@@ -31,6 +31,8 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from vllm_kv_cache_limit.hooks.runtime import utility_methods  # noqa: E402
+from vllm_kv_cache_limit.hooks.runtime.autoscaler import TICK_S  # noqa: E402
 from vllm_kv_cache_limit.hooks.runtime.limit import RuntimeLimit  # noqa: E402
 from vllm_kv_cache_limit.logic import limit_math  # noqa: E402
 from vllm_kv_cache_limit.logic.sizes import format_size  # noqa: E402
@@ -46,9 +48,13 @@ EOS_TOKEN_ID = 2
 SAMPLE_S = 0.1
 """Seconds of the virtual clock between two points of an instance's timeline."""
 EMPTY_STEP_S = 0.1
-"""Seconds an instance with requests but nothing it can schedule waits
-before it tries again (the autoscaler's decision interval): its steps would
-change nothing in between, and take no device time."""
+"""Seconds an instance with requests but nothing it can schedule waits at
+most before it tries again (the autoscaler's decision interval): a real
+engine core steps again at once, but its steps change nothing until its
+autoscaler's next decision, and take no device time. It tries again at that
+decision, or at once when the decision after its empty step grew its limit."""
+RETRY_MIN_S = 0.001
+"""The least wait before such a retry (a decision that failed leaves no later one due)."""
 
 
 @dataclass(frozen=True)
@@ -241,7 +247,7 @@ class Instance:
 
     def admit(self, now: float) -> None:
         """Add to vLLM's scheduler every request that has arrived by ``now``."""
-        block_size = self.spec.block_size
+        block_size, added = self.spec.block_size, False
         while self.next_arrival < len(self.arrivals) and self.arrivals[self.next_arrival].at <= now:
             arrival = self.arrivals[self.next_arrival]
             self.next_arrival += 1
@@ -260,12 +266,27 @@ class Instance:
             self.records[req_id] = Record(arrival.at, arrival.prompt_tokens, arrival.output_tokens)
             self.requests.append(request)
             self.core.scheduler.add_request(request)
+            added = True
+        if added:
+            self.decide(now)
+
+    def decide(self, now: float) -> None:
+        """The autoscaler's decision after requests reach the engine core, as
+        the plugin's input-queue hook makes it (``_autoscale_after_request``):
+        a grow they call for comes before the next step schedules them."""
+        scaler, limit = utility_methods.autoscaler_of(self.core), utility_methods.limit_of(self.core)
+        if scaler is None or limit is None:
+            return
+        limit.release_if_due()
+        scaler.tick(self.core, limit, now)
+        limit.release_if_due()
 
     def step(self, start: float) -> float:
         """One step of vLLM's engine core from ``start`` (the clock there);
         the device seconds it took (0: nothing could be scheduled)."""
         self.executor.started_at = start
         self.executor.last = Batch()
+        limit_before = self.limit_blocks()
         outputs, _ = self.core.step()
         now = self.executor.clock.now
         for engine_outputs in outputs.values():
@@ -280,9 +301,20 @@ class Instance:
         took = now - start
         self.steps += 1
         self.busy_s += took
-        self.ready_at = now if not self.executor.last.empty else start + EMPTY_STEP_S
+        self.ready_at = now if not self.executor.last.empty else self._retry_at(start, limit_before)
         self.sample(now)
         return took
+
+    def _retry_at(self, start: float, limit_before: int) -> float:
+        """When an instance whose step at ``start`` scheduled nothing steps
+        again: at once if the decision after that step grew its limit, else
+        at its autoscaler's next decision (at most ``EMPTY_STEP_S`` on)."""
+        if self.limit_blocks() > limit_before:
+            return start
+        scaler = utility_methods.autoscaler_of(self.core)
+        if scaler is None:
+            return start + EMPTY_STEP_S
+        return max(start + RETRY_MIN_S, min(start + EMPTY_STEP_S, scaler.last_tick + TICK_S))
 
     def limit_blocks(self) -> int:
         """The blocks its scheduler may hand out now (the run-time limit, or the whole allocation), null block included."""
