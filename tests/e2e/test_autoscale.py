@@ -220,6 +220,8 @@ def test_two_autoscaled_servers_share_one_budget(pair: dict[str, Any]) -> None:
         for base in (a, b):
             wait_for(lambda base=base: status(base)["kv_cache_limit_bytes"] == floor, "idle servers at their floor")
             wait_for(lambda base=base: status(base)["holds"], "the drain to hold", 60)
+        # The premise of the checks below: enough samples (a sample under load can take seconds).
+        wait_for(lambda: len(sampler.samples) > 20, "21 samples of both limits", 60)
     # A's worker measured its RSS (less LazyFree) around each release since:
     # the falls add up to the pages it held above the floor (in one step or several).
     fell = sum(int(n) for n in RELEASED_RE.findall(log_a.read_text()[seen:]))
