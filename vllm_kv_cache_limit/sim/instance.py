@@ -31,6 +31,7 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from vllm_kv_cache_limit.hooks.runtime import engine_core as engine_core_hooks  # noqa: E402
 from vllm_kv_cache_limit.hooks.runtime import utility_methods  # noqa: E402
 from vllm_kv_cache_limit.hooks.runtime.autoscaler import TICK_S  # noqa: E402
 from vllm_kv_cache_limit.hooks.runtime.limit import RuntimeLimit  # noqa: E402
@@ -268,18 +269,9 @@ class Instance:
             self.core.scheduler.add_request(request)
             added = True
         if added:
-            self.decide(now)
-
-    def decide(self, now: float) -> None:
-        """The autoscaler's decision after requests reach the engine core, as
-        the plugin's input-queue hook makes it (``_autoscale_after_request``):
-        a grow they call for comes before the next step schedules them."""
-        scaler, limit = utility_methods.autoscaler_of(self.core), utility_methods.limit_of(self.core)
-        if scaler is None or limit is None:
-            return
-        limit.release_if_due()
-        scaler.tick(self.core, limit, now)
-        limit.release_if_due()
+            # What the plugin's input-queue hook (``_autoscale_after_request``) runs after
+            # requests reach a real engine core: a grow they call for comes before the next step.
+            engine_core_hooks._between_steps(self.core)
 
     def step(self, start: float) -> float:
         """One step of vLLM's engine core from ``start`` (the clock there);
