@@ -232,9 +232,10 @@ def server_args(args: argparse.Namespace, model: str, *extra: str) -> list[str]:
 
 
 def binding(args: argparse.Namespace, server: str) -> tuple[dict[str, str], list[str]]:
-    """A server's CPUs: its environment and the command it starts under. vLLM's CPU backend binds each engine's worker to the
-    first CPU it does not reserve (``auto``), so two servers on one host
-    both compute on CPU 0 and wait for each other there. ``split`` gives
+    """A server's CPUs: its environment and the command it starts under.
+    vLLM's CPU backend binds each engine's worker to the first CPU it does
+    not reserve (``auto``), so two servers on one host both compute on CPU 0
+    and wait for each other there. ``split`` gives
     each worker its own CPU (``VLLM_CPU_OMP_THREADS_BIND``), as vLLM's CPU
     docs advise for several instances on one host, but leaves the rest of
     each server free to run anywhere: an engine core busy-waits for its
