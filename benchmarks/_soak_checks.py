@@ -122,6 +122,24 @@ class Reading:
     status may show the limit before the fall."""
 
 
+def looped(
+    requests: list[tuple[float, int, int]], start_s: float, length_s: float, period_s: float
+) -> list[tuple[float, int, int]]:
+    """The ``requests`` of a trace of ``period_s`` (at seconds from its start)
+    from ``start_s`` for ``length_s``, the trace replayed again from its
+    start each time it ends: a soak longer than the trace (the Azure traces
+    are an hour each) keeps its traffic. Times are from ``start_s``."""
+    if period_s <= 0:
+        raise ValueError(f"a trace's period must be positive, not {period_s!r}")
+    out = []
+    for lap in range(int((start_s + length_s) // period_s) + 1):
+        for at, prompt, tokens in requests:
+            t = at + lap * period_s - start_s
+            if 0 <= t < length_s:
+                out.append((t, prompt, tokens))
+    return sorted(out)
+
+
 def label_pid(label: Any) -> int | None:
     """The pid of a ledger entry's label, ``<host> pid <pid>``."""
     try:

@@ -4,7 +4,8 @@ servers, each autoscaled under one shared budget in a private lock folder
 B``), replay time-compressed slices of the Azure LLM inference traces 2023
 (conversation, code, and conversation again from a later minute; read and
 shaped by ``bench_shared_replay.load_trace``, every ``--keep``-th request
-sent) while one fault at a time is injected every ``--interval`` seconds,
+sent; a trace is replayed again from its start where the soak outlasts its
+hour, the package's copies in ``vllm_kv_cache_limit/sim/traces`` by default) while one fault at a time is injected every ``--interval`` seconds,
 its kind and instance drawn from ``--seed`` (``_soak_checks.KINDS``).
 
 Every second, from outside, the invariants of ``_soak_checks`` are checked
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -49,6 +51,8 @@ from vllm_kv_cache_limit.logic.sizes import format_size, parse_size
 
 TRACES = {"a": ("conv", 0.0), "b": ("code", 0.0), "c": ("conv", 30.0)}
 """Instance: its trace and the minutes it starts after ``--start-min``."""
+WHOLE = {"start_min": 0.0, "minutes": 24 * 60.0, "speed": 1.0}
+"""The window of ``load_trace`` that reads a whole trace at its own speed."""
 
 
 class Runner:
@@ -318,7 +322,7 @@ def main() -> None:
     parser.add_argument("--freed-s", type=float, default=10.0, help="bound (d) on freeing a share (s, default 10)")
     parser.add_argument("--join-s", type=float, default=300.0, help="bound (e) on a restart (s, default 300)")
     parser.add_argument("--tmpfs-size", default="4m", help="size of the lock folder's tmpfs, for fill (default 4m)")
-    parser.add_argument("--trace-dir", type=Path, default=c.REPO.parent / "shared" / "data" / "azure-llm-2023")
+    parser.add_argument("--trace-dir", type=Path, default=c.REPO / "vllm_kv_cache_limit" / "sim" / "traces")
     parser.add_argument("--start-min", type=float, default=8.0, help="first minute of the traces (default 8)")
     parser.add_argument("--speed", type=float, default=1.0, help="arrivals this many times faster (default 1)")
     parser.add_argument("--keep", type=int, default=5, help="send every N-th request of the trace (default 5)")
@@ -334,10 +338,11 @@ def main() -> None:
     c.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _terminate)
     traces = {}
-    for name, (server, offset) in TRACES.items():
-        window = argparse.Namespace(**{**vars(args), "start_min": args.start_min + offset})
-        window.minutes = args.minutes * args.speed
-        traces[name] = load_trace(args.trace_dir / SERVERS[server], window)[:: args.keep]
+    for name, (server, offset) in TRACES.items():  # the whole trace, replayed again where the soak outlasts it
+        whole = load_trace(args.trace_dir / SERVERS[server], argparse.Namespace(**{**vars(args), **WHOLE}))
+        period = 60.0 * math.ceil((whole[-1][0] + 1) / 60)
+        window = checks.looped(whole, (args.start_min + offset) * 60, args.minutes * 60 * args.speed, period)
+        traces[name] = [(at / args.speed, prompt, tokens) for at, prompt, tokens in window][:: args.keep]
     print(", ".join(f"{n}: {len(t)} requests" for n, t in traces.items()), flush=True)
     cpus = sorted(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="kv-soak-") as tmp:

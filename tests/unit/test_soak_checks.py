@@ -216,3 +216,13 @@ def test_read_ledger_counts_live_valid_entries_and_waits_for_the_lock_with_a_bou
     finally:
         for fd in held:
             os.close(fd)
+
+
+def test_a_soak_longer_than_its_trace_replays_the_trace_again() -> None:
+    trace = [(10.0, 1, 1), (40.0, 2, 2), (59.0, 3, 3)]  # a trace of 60 s
+    got = checks.looped(trace, start_s=30.0, length_s=100.0, period_s=60.0)
+    # from 30 s: 40 and 59 of the first lap, then 10, 40, 59 of the second (the third's 10 s is at 100 s: the end)
+    assert got == [(10.0, 2, 2), (29.0, 3, 3), (40.0, 1, 1), (70.0, 2, 2), (89.0, 3, 3)]
+    assert checks.looped(trace, 0.0, 60.0, 60.0) == trace  # within one lap: the trace itself
+    with pytest.raises(ValueError, match="positive"):
+        checks.looped(trace, 0.0, 60.0, 0.0)
