@@ -285,10 +285,14 @@ def cap_error(result: dict[str, Any], log: str) -> str:
     (relayed from the engine core or a worker). Patched vLLM raises
     ``ValueError`` where it finds the problem: in the first process, or in
     the engine core, whose failure the first process reports ("Engine core
-    initialization failed"), the error being in the engine core's log."""
+    initialization failed"), the error being in the engine core's log.
+    The plugin's error is said once, without a traceback, wherever it arose."""
     assert not result["ok"], result
     if not UPSTREAM:
         assert result["error_type"] == "KVCacheMaxMemoryError", result
+        # Said once: no traceback of it in the engine core's log (the probe
+        # catches what the first process raises).
+        assert "Traceback (most recent call last)" not in log, log[-4000:]
         return result["error"]
     if result["error_type"] == "ValueError":
         return result["error"]

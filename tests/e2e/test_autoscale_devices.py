@@ -147,6 +147,9 @@ def test_a_floor_that_does_not_fit_beside_the_others_fails_at_start_up(servers: 
         c = running["c"]
         log = c.log_path.read_text()
         assert c.ready_s is None and c.returncode not in (None, 0), log[-3000:]
+        # Said once: the API server's error, not also the engine core's traceback, printed twice.
+        assert log.count("Traceback (most recent call last)") == 1, log[-6000:]
+        assert "ERROR" in log and "EngineCore failed to start: --kv-cache-shared-budget 24MiB" in log, log[-3000:]
         least = floor_c + floor_a
         assert (
             f"--kv-cache-shared-budget 24MiB ({BUDGET} bytes) is below the floors of the instances on host memory "

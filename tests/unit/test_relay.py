@@ -47,3 +47,18 @@ def test_relay_follows_no_planted_symlink(armed_relay: str, tmp_path: Path) -> N
     assert target.read_text() == "untouched"
     assert relay.take_relayed_error() is None  # a symlink is not read either
     assert target.read_text() == "untouched"
+
+
+def test_relay_says_whether_the_first_process_will_find_a_cap_error(
+    armed_relay: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An engine-core process exits quietly only where the first process will
+    raise its error: the relay must say so, and say no otherwise."""
+    assert relay.relay_cap_error("first") is True
+    assert relay.relay_cap_error("second") is True  # the first one is there
+    assert relay.take_relayed_error() == "first"
+    os.symlink(tmp_path / "elsewhere", armed_relay)
+    assert relay.relay_cap_error("the cap error") is False  # a link is never read
+    os.unlink(armed_relay)
+    monkeypatch.delenv(envs.ERROR_FILE)
+    assert relay.relay_cap_error("the cap error") is False  # no relay armed

@@ -233,6 +233,13 @@ ATTRIBUTES: tuple[Attribute, ...] = (
         "size",
         "`_log_decision`, `_name_cap_when_mamba_blocks_short`: the bytes of one backing allocation",
     ),
+    Attribute(
+        ("vllm.v1.engine.core",),
+        "",
+        "EngineCoreProc",
+        "`engine_core._in_own_process`, `shared_budget.leave_after_failure`, `wakeups.start_waking`: "
+        "the engine core in a process of its own",
+    ),
 )
 """Attributes of vLLM objects (and private ones of Python's standard
 library) that enforcing the cap reads or writes: checked at start-up with a

@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from typing import NoReturn
 
@@ -27,19 +28,28 @@ def raise_cap_error(message: str, error: type[KVCacheMaxMemoryError] = KVCacheMa
     raise error(message)
 
 
-def relay_cap_error(message: str) -> None:
+def relay_cap_error(message: str) -> bool:
     """Leave ``message`` for the first process, once: the first error written
     wins. The file lies in the first process's private folder and is created
-    ``O_EXCL | O_NOFOLLOW``, so nothing planted there can redirect it."""
+    ``O_EXCL | O_NOFOLLOW``, so nothing planted there can redirect it.
+    Whether the first process will find a cap error there (this one or an
+    earlier one): False without a relay, or where it cannot be written."""
     path = os.environ.get(envs.ERROR_FILE)
     if not path:
-        return
+        return False
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:  # an earlier error, or something planted (a link is not read)
+        try:
+            found = os.lstat(path)
+        except OSError:
+            return False
+        return stat.S_ISREG(found.st_mode) and found.st_size > 0
     except OSError:
-        return
+        return False
     with os.fdopen(fd, "w", encoding="utf-8") as relay:
         relay.write(message)
+    return True
 
 
 _relay_dir: str | None = None

@@ -62,7 +62,8 @@ def _hold_startup_lock(original: Callable) -> Callable:
     (which starts the workers, profiles, allocates the KV cache and warms up,
     capturing CUDA graphs) runs holding the start-up lock of every local
     device; a cap error it fails with (also one a Ray worker on another node
-    raised) goes to the relay for the first process."""
+    raised) goes to the relay for the first process, and an engine-core
+    process that relayed it logs it once, without a traceback, and exits."""
 
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         if cap_of(vllm_config.cache_config) is None:
@@ -108,11 +109,26 @@ def _hold_startup_lock(original: Callable) -> Callable:
             # A worker on another node (Ray) cannot reach the relay file; its
             # error reaches this process inside the executor's exception.
             message = cap_error_message(exc)
-            if message:
-                relay_cap_error(message)
+            if message and relay_cap_error(message) and _in_own_process(self):
+                # vLLM would log it with its traceback, the process would print
+                # it again, and the first process raise it a third time: said
+                # once here, and raised by the first process (engine_utils).
+                logger.error("EngineCore failed to start: %s", message)
+                raise SystemExit(1) from None
             raise
 
     return __init__
+
+
+def _in_own_process(engine_core: Any) -> bool:
+    """Whether ``engine_core`` is vLLM's engine-core process (``EngineCoreProc``
+    started by ``run_engine_core`` in a child process), which may end with
+    ``SystemExit``; not an in-process engine core, whose process is the user's."""
+    import multiprocessing
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    return isinstance(engine_core, EngineCoreProc) and multiprocessing.parent_process() is not None
 
 
 def _start_at_committed(engine_core: Any) -> None:

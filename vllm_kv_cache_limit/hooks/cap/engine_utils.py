@@ -26,10 +26,10 @@ def _raise_relayed_error(original: Callable) -> Callable:
     def wait_for_engine_startup(*args: Any, **kwargs: Any) -> Any:
         try:
             return original(*args, **kwargs)
-        except RuntimeError as exc:
+        except RuntimeError:
             message = take_relayed_error()
-            if message:
-                raise KVCacheMaxMemoryError(message) from exc
+            if message:  # vLLM's "See root cause above" adds nothing: the root cause is this
+                raise KVCacheMaxMemoryError(message) from None
             raise
 
     return wait_for_engine_startup
