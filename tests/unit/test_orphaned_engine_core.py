@@ -74,3 +74,76 @@ def test_an_engine_core_whose_client_died_shuts_down(tmp_path: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+ENGINE_CORE_WITH_WORKER = textwrap.dedent(
+    """
+    import multiprocessing, os, queue, signal, sys, threading, time
+    from types import SimpleNamespace
+    from vllm_kv_cache_limit.hooks.runtime import wakeups
+
+    marker = sys.argv[1]
+
+    def work():  # a worker busy in a kernel: it takes no signal but SIGKILL
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(120)
+
+    def on_term(signum, frame):  # vLLM's shutdown: waits for its workers, 5 s, SIGTERM, 5 s, then SIGKILL
+        open(marker, "w").write("SIGTERM")
+        worker.join(5)
+        worker.terminate()
+        worker.join(5)
+        worker.kill()
+        sys.exit(0)
+
+    worker = multiprocessing.get_context("fork").Process(target=work, daemon=True)
+    worker.start()
+    signal.signal(signal.SIGTERM, on_term)
+    core = SimpleNamespace(input_queue=queue.Queue())
+    scaler = SimpleNamespace(stop=threading.Event(), budget=8 << 20)
+    wakeups.start_waking(core, scaler, "WAKEUP")
+    open(marker + ".ready", "w").write(str(worker.pid))
+    time.sleep(60)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_an_orphaned_engine_core_ends_its_workers_at_once(tmp_path: Path) -> None:
+    """Its workers hold the memory its ledger entry counts, and the entry goes
+    only once they are gone: vLLM's shutdown would give a busy worker 10 s
+    (seen in the soak: the entry counted 10 s after the API server died)."""
+    marker = tmp_path / "engine-core"
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, ENGINE_CORE_WITH_WORKER, str(marker)], stdout=subprocess.PIPE, text=True
+    )
+    assert client.stdout is not None
+    core_pid = int(client.stdout.readline())
+    worker_pid = None
+    try:
+        assert _wait(Path(f"{marker}.ready"), 120), "the engine core's process did not start its wake-ups"
+        worker_pid = int(Path(f"{marker}.ready").read_text())
+        assert _alive(worker_pid) and not marker.exists()  # premise: its client lives, so it runs on
+        os.kill(client.pid, signal.SIGKILL)
+        client.wait()
+        died = time.monotonic()
+        while _alive(worker_pid) and time.monotonic() - died < 15:
+            time.sleep(0.05)
+        lived = time.monotonic() - died
+        assert not _alive(worker_pid), "the orphaned engine core's worker outlived it by 15 s"
+        assert lived < 3, f"its worker lived {lived:.1f} s after the client died"
+        assert _wait(marker, 5) and marker.read_text() == "SIGTERM"  # then vLLM's own shutdown
+    finally:
+        for pid in (client.pid, core_pid, worker_pid):
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

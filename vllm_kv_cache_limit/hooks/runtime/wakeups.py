@@ -5,6 +5,7 @@ Every decision runs where the engine core's steps run, never beside one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -31,16 +32,20 @@ def start_waking(engine_core: Any, scaler: Autoscaler, wakeup: Any) -> threading
     vLLM's own shutdown) once the process that started it is gone: vLLM
     leaves an engine core whose API server died alone running, with its KV
     cache and its ledger entry, and no client can reach it, so its share
-    would never go back to the other instances."""
+    would never go back to the other instances. Its workers are killed
+    first (``end_children``)."""
     parent = os.getppid()
 
     def run() -> None:
         while not scaler.stop.wait(TICK_S):
             if scaler.budget is not None and os.getppid() != parent:
+                ended = end_children()
                 logger.error(
-                    "KV cache autoscale: the process that started this engine core (pid %d) is gone; shutting the "
-                    "engine core down so that its share of the shared budget goes back to the other instances.",
+                    "KV cache autoscale: the process that started this engine core (pid %d) is gone; ended its "
+                    "workers (pids %s) and shutting the engine core down so that its share of the shared budget "
+                    "goes back to the other instances.",
                     parent,
+                    ", ".join(map(str, ended)) or "none",
                 )
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
@@ -51,6 +56,22 @@ def start_waking(engine_core: Any, scaler: Autoscaler, wakeup: Any) -> threading
     thread = threading.Thread(target=run, name="kv-cache-autoscale", daemon=True)
     thread.start()
     return thread
+
+
+def end_children() -> list[int]:
+    """SIGKILL this process's multiprocessing children (an engine core's:
+    vLLM's workers) and return their pids. An orphaned engine core's workers
+    serve nobody, and they hold the memory its ledger entry counts until they
+    exit: vLLM's shutdown would give a busy worker up to 10 s (its grace
+    periods) before killing it, while the entry keeps their share."""
+    import multiprocessing
+
+    ended = []
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            child.kill()
+            ended.append(child.pid)
+    return ended
 
 
 def start_deciding(scaler: Autoscaler, lock: threading.RLock, decide: Callable[[], None]) -> threading.Thread:
