@@ -98,7 +98,9 @@ class FaultScheduler:
 @dataclass
 class Instance:
     """An instance as one reading sees it: ``state`` is ``up``, ``starting``,
-    ``down`` or ``stopped``; ``pids`` its process group's processes."""
+    ``stopping`` (a fault or the soak is ending it: its processes may be
+    dying, so its hold is not checked), ``down`` or ``stopped``; ``pids``
+    its process group's processes."""
 
     state: str
     cap: int

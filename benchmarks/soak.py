@@ -87,6 +87,7 @@ class Runner:
 
     def stop(self) -> None:
         """Stop the server (SIGTERM to its group, as ``api_servers`` does) and what is left of it."""
+        self.state = "stopping"  # a reading from now on checks no hold of its dying processes
         if self.cm is not None:
             self.cm.__exit__(None, None, None)
             for pid in checks.group_pids(self.server.pid):  # an engine core that outlived its API server
@@ -142,7 +143,10 @@ class Soak:
                 statuses[name] = requests.get(base + ROUTE, timeout=2).json() if base else None
         ledger, locked = checks.read_ledger(self.lock_dir)
         self.unlocked_reads += not locked
-        instances = {n: checks.Instance(r.state, r.cap, r.pids(), statuses.get(n)) for n, r in self.runners.items()}
+        instances = {}
+        for n, r in self.runners.items():  # its pids before its state: a stop begun in between shows as "stopping"
+            pids = r.pids()
+            instances[n] = checks.Instance(r.state, r.cap, pids, statuses.get(n))
         with self.lock:
             self.checker.sample(checks.Reading(self.now(), self.budget, ledger, instances, self.fault, before))
             for runner in self.runners.values():
@@ -196,6 +200,8 @@ class Soak:
         runner, kind, t = self.runners[fault.target], fault.kind, self.now()
         if kind in checks.EXCUSING:
             self.checker.excuse(runner.name, t)
+        if kind in ("kill", "api_kill", "budget"):  # before its processes die: no reading sees it "up" without them
+            runner.state = "stopping"
         if kind == "kill":
             pids = runner.pids()
             os.killpg(runner.server.pid, signal.SIGKILL)
