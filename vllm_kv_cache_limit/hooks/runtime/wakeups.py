@@ -70,7 +70,8 @@ def end_children() -> list[int]:
     for child in multiprocessing.active_children():
         with contextlib.suppress(OSError, ValueError, AttributeError):
             child.kill()
-            ended.append(child.pid)
+            if child.pid is not None:
+                ended.append(child.pid)
     return ended
 
 
