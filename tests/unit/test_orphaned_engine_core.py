@@ -80,7 +80,7 @@ ENGINE_CORE_WITH_WORKER = textwrap.dedent(
     """
     import multiprocessing, os, queue, signal, sys, threading, time
     from types import SimpleNamespace
-    from vllm_kv_cache_limit.hooks.runtime import wakeups
+    from vllm_kv_cache_limit.hooks.runtime import engine_core, wakeups
 
     marker = sys.argv[1]
 
@@ -88,19 +88,23 @@ ENGINE_CORE_WITH_WORKER = textwrap.dedent(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         time.sleep(120)
 
-    def on_term(signum, frame):  # vLLM's shutdown: waits for its workers, 5 s, SIGTERM, 5 s, then SIGKILL
-        open(marker, "w").write("SIGTERM")
+    def vllm_shutdown(self):  # vLLM's executor: waits for its workers, 5 s, SIGTERM, 5 s, then SIGKILL
         worker.join(5)
         worker.terminate()
         worker.join(5)
         worker.kill()
+
+    def on_term(signum, frame):  # vLLM's engine core ends its busy loop, then calls its (wrapped) shutdown
+        open(marker, "w").write("SIGTERM")
+        engine_core._leave_budget_first(vllm_shutdown)(core)
         sys.exit(0)
 
     worker = multiprocessing.get_context("fork").Process(target=work, daemon=True)
     worker.start()
     signal.signal(signal.SIGTERM, on_term)
-    core = SimpleNamespace(input_queue=queue.Queue())
-    scaler = SimpleNamespace(stop=threading.Event(), budget=8 << 20)
+    scaler = SimpleNamespace(stop=threading.Event(), budget=8 << 20, orphaned=False, close=lambda: None)
+    state = SimpleNamespace(announcement=None, autoscaler=scaler, lock=None)
+    core = SimpleNamespace(input_queue=queue.Queue(), _kvcl_state=state)
     wakeups.start_waking(core, scaler, "WAKEUP")
     open(marker + ".ready", "w").write(str(worker.pid))
     time.sleep(60)

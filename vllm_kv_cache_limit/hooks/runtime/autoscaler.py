@@ -96,6 +96,9 @@ class Autoscaler:
     reader: DemandReader = field(init=False)
     changes: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
+    orphaned: bool = False
+    """The process that started this engine core is gone (``wakeups.start_waking``):
+    its shutdown ends the workers first (``wakeups.end_children``)."""
     ledger_busy: Episode = field(default_factory=lambda: Episode())
     """Decisions that found the ledger locked by another process (and kept the limit)."""
     failing: Episode = field(default_factory=lambda: Episode())

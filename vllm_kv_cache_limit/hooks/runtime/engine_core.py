@@ -119,7 +119,8 @@ def _leave_budget_first(original: Callable) -> Callable:
     ``EngineCore.shutdown`` to remove the engine core's announcement
     (``hooks.engine_entry``) and stop the autoscaler before the original tears
     the engine down, and its ledger entries after, once the workers' memory
-    they count is gone. Without either the original runs alone."""
+    they count is gone; an orphaned engine core's workers are killed first
+    (``wakeups.start_waking``). Without either the original runs alone."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -135,6 +136,11 @@ def _leave_budget_first(original: Callable) -> Callable:
                 stopped = shared_budget.stop(scaler, state.lock, SHUTDOWN_WAIT_S)
             except Exception:  # never in the way of vLLM's own shutdown
                 logger.exception("Stopping KV cache autoscaling failed; the process exit drops its ledger entries.")
+            if scaler.orphaned:  # nobody can reach its workers, and vLLM would give a busy one 10 s
+                logger.info(
+                    "KV cache autoscale: ended the workers (pids %s) of this orphaned engine core.",
+                    ", ".join(map(str, wakeups.end_children())) or "none",
+                )
         try:
             return original(self, *args, **kwargs)
         finally:

@@ -32,20 +32,20 @@ def start_waking(engine_core: Any, scaler: Autoscaler, wakeup: Any) -> threading
     vLLM's own shutdown) once the process that started it is gone: vLLM
     leaves an engine core whose API server died alone running, with its KV
     cache and its ledger entry, and no client can reach it, so its share
-    would never go back to the other instances. Its workers are killed
-    first (``end_children``)."""
+    would never go back to the other instances. The shutdown kills its
+    workers before vLLM's (``end_children``, from ``EngineCore.shutdown``'s
+    wrapper): killed while a step runs, they would fail the step."""
     parent = os.getppid()
 
     def run() -> None:
         while not scaler.stop.wait(TICK_S):
             if scaler.budget is not None and os.getppid() != parent:
-                ended = end_children()
+                scaler.orphaned = True
                 logger.error(
-                    "KV cache autoscale: the process that started this engine core (pid %d) is gone; ended its "
-                    "workers (pids %s) and shutting the engine core down so that its share of the shared budget "
-                    "goes back to the other instances.",
+                    "KV cache autoscale: the process that started this engine core (pid %d) is gone; shutting the "
+                    "engine core down, its workers ended first, so that its share of the shared budget goes back "
+                    "to the other instances.",
                     parent,
-                    ", ".join(map(str, ended)) or "none",
                 )
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
