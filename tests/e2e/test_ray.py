@@ -238,6 +238,8 @@ def test_cap_error_in_one_ray_worker_reaches_the_user_as_the_cap_error(
     workers = "\n".join([log, *result["worker_log"]])
     assert "found by worker rank 1" in workers, (result["worker_log"], log[-4000:])
     assert "KVCacheMaxMemoryError: The KV cache of 16777216 bytes" in workers, (result["worker_log"], log[-4000:])
-    # ... and reported to the engine core as vLLM reports a worker failure.
+    # ... and reported to the engine core as vLLM reports a worker failure,
+    # which the engine core says once, without a traceback.
     assert engine_core_sees in log, log[-4000:]
+    assert "EngineCore failed to start: " in log and "EngineCore encountered" not in log, log[-4000:]
     assert took < BOUND_S, f"start-up took {took:.0f} s to fail"

@@ -25,7 +25,7 @@ from vllm_kv_cache_limit.logic.cap_decision import (
     cap_error_message,
     too_small_message,
 )
-from vllm_kv_cache_limit.logic.errors import KVCacheResizeError
+from vllm_kv_cache_limit.logic.errors import KVCacheMaxMemoryError, KVCacheResizeError
 from vllm_kv_cache_limit.logic.kv_cache import backing_bytes
 from vllm_kv_cache_limit.logic.relay import relay_cap_error
 from vllm_kv_cache_limit.logic.sizes import format_gib, format_size
@@ -113,11 +113,20 @@ def _hold_startup_lock(original: Callable) -> Callable:
                 # vLLM would log it with its traceback, the process would print
                 # it again, and the first process raise it a third time: said
                 # once here, and raised by the first process (engine_utils).
-                logger.error("EngineCore failed to start: %s", message)
+                logger.error("EngineCore failed to start: %s%s", message, _reported_as(exc))
                 raise SystemExit(1) from None
             raise
 
     return __init__
+
+
+def _reported_as(exc: BaseException) -> str:
+    """How a cap error raised elsewhere (a worker) reached the engine core, as
+    vLLM reported it (its first line); empty for the plugin's own error."""
+    if isinstance(exc, KVCacheMaxMemoryError):
+        return ""
+    lines = str(exc).strip().splitlines()
+    return f" (reported to the engine core as {type(exc).__name__}: {lines[0] if lines else ''})"
 
 
 def _in_own_process(engine_core: Any) -> bool:
