@@ -136,11 +136,12 @@ def _leave_budget_first(original: Callable) -> Callable:
                 stopped = shared_budget.stop(scaler, state.lock, SHUTDOWN_WAIT_S)
             except Exception:  # never in the way of vLLM's own shutdown
                 logger.exception("Stopping KV cache autoscaling failed; the process exit drops its ledger entries.")
-            if scaler.orphaned:  # nobody can reach its workers, and vLLM would give a busy one 10 s
-                logger.info(
-                    "KV cache autoscale: ended the workers (pids %s) of this orphaned engine core.",
-                    ", ".join(map(str, wakeups.end_children())) or "none",
-                )
+            try:
+                if getattr(scaler, "orphaned", False):  # nobody can reach its workers; vLLM would give a busy one 10 s
+                    ended = ", ".join(map(str, wakeups.end_children())) or "none"
+                    logger.info("KV cache autoscale: ended the workers (pids %s) of this orphaned engine core.", ended)
+            except Exception:  # never in the way of vLLM's own shutdown, which ends them too
+                logger.exception("Ending the workers of this orphaned engine core failed; vLLM's shutdown ends them.")
         try:
             return original(self, *args, **kwargs)
         finally:
