@@ -5,8 +5,10 @@ B``), replay time-compressed slices of the Azure LLM inference traces 2023
 (conversation, code, and conversation again from a later minute; read and
 shaped by ``bench_shared_replay.load_trace``, every ``--keep``-th request
 sent; a trace is replayed again from its start where the soak outlasts its
-hour, the package's copies in ``vllm_kv_cache_limit/sim/traces`` by default) while one fault at a time is injected every ``--interval`` seconds,
-its kind and instance drawn from ``--seed`` (``_soak_checks.KINDS``).
+hour, the package's copies in ``vllm_kv_cache_limit/sim/traces`` by
+default) while one fault at a time is injected every ``--interval``
+seconds, its kind and instance drawn from ``--seed``
+(``_soak_checks.KINDS``).
 
 Every second, from outside, the invariants of ``_soak_checks`` are checked
 on the ledger (read with the plugin's reader, ``budget_ledger``, under its
@@ -200,7 +202,7 @@ class Soak:
         runner, kind, t = self.runners[fault.target], fault.kind, self.now()
         if kind in checks.EXCUSING:
             self.checker.excuse(runner.name, t)
-        if kind in ("kill", "api_kill", "budget"):  # before its processes die: no reading sees it "up" without them
+        if kind in ("kill", "api_kill"):  # before its processes die: no reading sees it "up" without them
             runner.state = "stopping"
         if kind == "kill":
             pids = runner.pids()

@@ -335,6 +335,7 @@ def test_a_failure_leaving_the_ledger_does_not_stop_vllms_shutdown(caplog: pytes
 
     class Broken:
         stop = threading.Event()
+        orphaned = False
 
         def close(self) -> None:
             raise OSError("the ledger folder is gone")

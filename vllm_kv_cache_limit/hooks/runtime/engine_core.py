@@ -137,7 +137,7 @@ def _leave_budget_first(original: Callable) -> Callable:
             except Exception:  # never in the way of vLLM's own shutdown
                 logger.exception("Stopping KV cache autoscaling failed; the process exit drops its ledger entries.")
             try:
-                if getattr(scaler, "orphaned", False):  # nobody can reach its workers; vLLM would give a busy one 10 s
+                if scaler.orphaned:  # nobody can reach its workers; vLLM would give a busy one 10 s
                     ended = ", ".join(map(str, wakeups.end_children())) or "none"
                     logger.info("KV cache autoscale: ended the workers (pids %s) of this orphaned engine core.", ended)
             except Exception:  # never in the way of vLLM's own shutdown, which ends them too

@@ -68,7 +68,7 @@ def end_children() -> list[int]:
 
     ended = []
     for child in multiprocessing.active_children():
-        with contextlib.suppress(OSError, ValueError, AttributeError):
+        with contextlib.suppress(OSError, ValueError):  # gone already, or closed
             child.kill()
             if child.pid is not None:
                 ended.append(child.pid)
