@@ -87,9 +87,20 @@ class Runner:
         self.state = "up" if server.ready_s is not None else "down"
         return server
 
-    def stop(self) -> None:
-        """Stop the server (SIGTERM to its group, as ``api_servers`` does) and what is left of it."""
+    def stop(self, wait_s: float = 60.0) -> None:
+        """Stop the server as an operator does (``docker stop``, systemd):
+        SIGTERM to the API server alone, which shuts its engine core down,
+        then, after ``wait_s``, what is left of its group (SIGTERM, then
+        SIGKILL, as ``api_servers`` does). A SIGTERM to the whole group
+        ends the engine core before the API server, which then logs one
+        ``EngineDeadError`` traceback per stream in flight."""
         self.state = "stopping"  # a reading from now on checks no hold of its dying processes
+        if self.cm is not None and self.server.pid is not None and checks.group_pids(self.server.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.server.pid, signal.SIGTERM)
+            deadline = time.monotonic() + wait_s
+            while checks.group_pids(self.server.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
         if self.cm is not None:
             self.cm.__exit__(None, None, None)
             for pid in checks.group_pids(self.server.pid):  # an engine core that outlived its API server
@@ -304,6 +315,7 @@ def report(soak: Soak, kinds: list[str]) -> dict[str, Any]:
     print("\nfaults: " + ", ".join(f"{k} {n}" for k, n in by_kind.items()), "\nrequests:", summary["requests"])
     rows = [{"value": k, "worst": v} for k, v in summary["worst"].items()]
     rows += [{"value": "ledger reads not under its lock", "worst": soak.unlocked_reads}]
+    rows += [{"value": "(b) undecided: entry rewritten during the reading", "worst": summary["undecided_b"]}]
     for name in soak.runners:  # reported, not checked: activations move it as much as the KV cache
         kept = [(s[name]["rss"] or 0) - (s[name]["lazyfree"] or 0) for s in soak.samples if s[name]["rss"]]
         summary["worst"][f"worker_rss_less_lazyfree_mib_{name}"] = c.mib(max(kept, default=0))

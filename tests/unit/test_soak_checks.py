@@ -108,6 +108,25 @@ def test_a_hold_that_fell_while_the_status_was_read_counts_at_its_old_value() ->
     assert [v["invariant"] for v in checker.violations] == ["b"]
 
 
+def test_a_hold_rewritten_while_the_status_was_read_leaves_b_undecided() -> None:
+    # 12 -> 22 -> 20 blocks between the two ledger reads: the status shows
+    # 22, a hold neither read saw. Undecided, counted, not a violation.
+    checker = checks.Checker(checks.Bounds())
+    moved = reading(1.0, {101: 20 * BLOCK}, {101: 22 * BLOCK})
+    moved.ledger[0]["written_ns"] = 2
+    moved.before = [{**entry(101, 12 * BLOCK), "written_ns": 1}]
+    checker.sample(moved)
+    assert checker.violations == []
+    assert checker.summary()["undecided_b"] == 1
+    # The same entry, not rewritten between the reads: the hold is known, 22 is over.
+    still = reading(2.0, {101: 20 * BLOCK}, {101: 22 * BLOCK})
+    still.ledger[0]["written_ns"] = 2
+    still.before = [{**entry(101, 20 * BLOCK), "written_ns": 2}]
+    checker.sample(still)
+    assert [v["invariant"] for v in checker.violations] == ["b"]
+    assert checker.summary()["undecided_b"] == 1
+
+
 def test_requests_fail_or_wait_only_on_their_own_faults() -> None:
     checker = checks.Checker(checks.Bounds(request_s=30.0, grace_s=5.0))
     checker.excuse("a", 100.0)
@@ -206,6 +225,7 @@ def test_read_ledger_counts_live_valid_entries_and_waits_for_the_lock_with_a_bou
     try:
         entries, locked = checks.read_ledger(tmp_path)
         assert locked and [(e["holds"], e["pid"]) for e in entries] == [(3 * MIB, 42)]
+        assert entries[0]["written_ns"] == (folder / "live.entry").stat().st_mtime_ns
         lock = os.open(folder / "ledger.lock", os.O_RDONLY)
         fcntl.flock(lock, fcntl.LOCK_EX)  # held from outside
         held.append(lock)
