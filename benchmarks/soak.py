@@ -53,6 +53,9 @@ from vllm_kv_cache_limit.logic.sizes import format_size, parse_size
 
 TRACES = {"a": ("conv", 0.0), "b": ("code", 0.0), "c": ("conv", 30.0)}
 """Instance: its trace and the minutes it starts after ``--start-min``."""
+SHUTDOWN_S = 60
+"""A server's ``--shutdown-timeout``: its requests in flight may finish
+within the bound of (c) when the soak stops it."""
 WHOLE = {"start_min": 0.0, "minutes": 24 * 60.0, "speed": 1.0}
 """The window of ``load_trace`` that reads a whole trace at its own speed."""
 
@@ -76,6 +79,7 @@ class Runner:
         self.state = "starting"
         extra = ("--kv-cache-max-memory", self.args.budget, "--kv-cache-autoscale")
         extra += ("--kv-cache-shared-budget", budget or self.args.budget)
+        extra += ("--shutdown-timeout", str(SHUTDOWN_S))  # vLLM's default, 0, aborts every stream at a SIGTERM
         env = c.bench_env(
             True, VLLM_KV_CACHE_LIMIT_LOCK_DIR=str(self.lock_dir), VLLM_CPU_OMP_THREADS_BIND=str(self.cpu)
         )
@@ -87,13 +91,16 @@ class Runner:
         self.state = "up" if server.ready_s is not None else "down"
         return server
 
-    def stop(self, wait_s: float = 60.0) -> None:
+    def stop(self, wait_s: float = SHUTDOWN_S + 30.0) -> None:
         """Stop the server as an operator does (``docker stop``, systemd):
-        SIGTERM to the API server alone, which shuts its engine core down,
+        SIGTERM to the API server alone, which lets the requests in flight
+        finish (``--shutdown-timeout``) and shuts its engine core down,
         then, after ``wait_s``, what is left of its group (SIGTERM, then
         SIGKILL, as ``api_servers`` does). A SIGTERM to the whole group
-        ends the engine core before the API server, which then logs one
-        ``EngineDeadError`` traceback per stream in flight."""
+        ends the engine core before the API server, and vLLM's default
+        shutdown (no grace period) aborts the streams in flight: either
+        way the API server logs one ``EngineDeadError`` traceback per
+        stream (vLLM's shutdown path, no plugin code in it)."""
         self.state = "stopping"  # a reading from now on checks no hold of its dying processes
         if self.cm is not None and self.server.pid is not None and checks.group_pids(self.server.pid):
             with contextlib.suppress(ProcessLookupError):
