@@ -239,6 +239,38 @@ def test_route_answers_a_failure_inside_vllm_with_500_and_bad_input_with_400(rep
     assert core.calls == [("kv_cache_limit_set", 4096, "preempt")]
 
 
+class _ShuttingDownClient(_CoreClient):
+    """vLLM's client while its engine core shuts down: the engine core
+    rejects every utility call, and the client raises its failure message."""
+
+    async def call_utility_async(self, method: str, *args):
+        self.calls.append((method, *args))
+        raise Exception("Server shutting down")
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_route_answers_an_engine_that_cannot_answer_with_503(method: str) -> None:
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_kv_cache_limit.hooks.runtime import server
+
+    register()
+    app = FastAPI()
+    app.include_router(server._router(SimpleNamespace(api_key=["k"], kv_cache_max_memory=None)))
+    core = _ShuttingDownClient({})
+    app.state.engine_client = SimpleNamespace(engine_core=core)
+    body = {"json": {"size": "4K", "mode": "drain"}} if method == "POST" else {}
+    answer = TestClient(app).request(method, hooks.runtime.server.ROUTE, headers={"Authorization": "Bearer k"}, **body)
+    assert answer.status_code == 503, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "ServiceUnavailableError" and error["code"] == 503, error
+    assert "Server shutting down" in error["message"] and "try again" in error["message"], error
+    assert len(core.calls) == 1
+
+
 def _preempting_scheduler(preempt) -> SimpleNamespace:
     """A scheduler whose one running request holds block 7, above a limit of 4."""
     request = SimpleNamespace(request_id="r0")

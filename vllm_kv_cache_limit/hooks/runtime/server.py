@@ -131,6 +131,17 @@ def _error(status_code: int, message: str, kind: str) -> Any:
     )
 
 
+def _unavailable(what: str, exc: Exception) -> Any:
+    """503 for an engine that did not answer a utility call: vLLM's client
+    raises the engine core's failure (``Server shutting down`` while it
+    drains its requests at a SIGTERM) or ``EngineDeadError``. Not a 500
+    with a traceback in the server's log: the server is going away."""
+    logger.debug("%s %s: the engine did not answer: %r", what, ROUTE, exc)
+    return _error(
+        503, f"{what}: the engine did not answer ({exc}); try again once the server serves.", "ServiceUnavailableError"
+    )
+
+
 GAUGES = {
     "limit": (
         "vllm:kv_cache_limit_bytes",
@@ -245,6 +256,8 @@ def _router(args: Any, allow_post: bool = True) -> Any:
             return shown(await async_kv_cache_limit_status(request.app.state.engine_client))
         except KVCacheResizeError as exc:
             return _error(400, str(exc), "BadRequestError")
+        except Exception as exc:  # vLLM's client: the engine core rejected the call (shutting down) or is dead
+            return _unavailable("The KV cache status is unavailable", exc)
 
     async def set_kv_cache_max_memory_route(request: Request) -> Any:
         if not authorized(request):
@@ -262,6 +275,8 @@ def _router(args: Any, allow_post: bool = True) -> Any:
             return _error(500, str(exc), "InternalServerError")
         except KVCacheResizeError as exc:
             return _error(400, str(exc), "BadRequestError")
+        except Exception as exc:  # as for GET
+            return _unavailable("The KV cache limit was not changed", exc)
 
     async def post_not_served(request: Request) -> Any:
         # Without the flag the POST route is absent: 404, as vLLM answers
