@@ -151,3 +151,73 @@ def test_an_orphaned_engine_core_ends_its_workers_at_once(tmp_path: Path) -> Non
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+ENGINE_CORE_IN_A_LONG_STEP = textwrap.dedent(
+    """
+    import multiprocessing, queue, signal, sys, threading, time
+    from types import SimpleNamespace
+    from vllm_kv_cache_limit.hooks.runtime import engine_core, wakeups
+
+    marker = sys.argv[1]
+    requested = threading.Event()
+
+    def work():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(120)
+
+    def on_term(signum, frame):  # vLLM's handler only asks: the busy loop shuts down after its step
+        requested.set()
+
+    worker = multiprocessing.get_context("fork").Process(target=work, daemon=True)
+    worker.start()
+    signal.signal(signal.SIGTERM, on_term)
+    scaler = SimpleNamespace(stop=threading.Event(), budget=8 << 20, orphaned=False, close=lambda: None)
+    state = SimpleNamespace(announcement=None, autoscaler=scaler, lock=None)
+    core = SimpleNamespace(input_queue=queue.Queue(), _kvcl_state=state)
+    wakeups.start_waking(core, scaler, "WAKEUP")
+    open(marker + ".ready", "w").write(str(worker.pid))
+    while True:
+        time.sleep(40)  # one step that waits on a worker for 40 s (a loaded machine)
+        if requested.is_set():
+            open(marker, "w").write("shutdown")
+            engine_core._leave_budget_first(lambda self: worker.kill())(core)
+            sys.exit(0)
+    """
+)
+
+
+def test_an_orphaned_engine_core_in_a_long_step_ends_with_its_workers_within_a_bound(tmp_path: Path) -> None:
+    """vLLM's engine core shuts down only once its step in progress ends;
+    on a loaded machine one took 19 s (the 2-hour soak), and its ledger entry
+    counted all that time."""
+    from vllm_kv_cache_limit.hooks.runtime import wakeups
+
+    marker = tmp_path / "engine-core"
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, ENGINE_CORE_IN_A_LONG_STEP, str(marker)], stdout=subprocess.PIPE, text=True
+    )
+    assert client.stdout is not None
+    core_pid = int(client.stdout.readline())
+    worker_pid = None
+    try:
+        assert _wait(Path(f"{marker}.ready"), 120), "the engine core's process did not start its wake-ups"
+        worker_pid = int(Path(f"{marker}.ready").read_text())
+        assert _alive(core_pid) and _alive(worker_pid)  # premise: its client lives, so it runs on
+        os.kill(client.pid, signal.SIGKILL)
+        client.wait()
+        died = time.monotonic()
+        while (_alive(core_pid) or _alive(worker_pid)) and time.monotonic() - died < 30:
+            time.sleep(0.05)
+        lived = time.monotonic() - died
+        assert not _alive(worker_pid), "the orphaned engine core's worker lived 30 s on"
+        assert not _alive(core_pid), "the orphaned engine core lived 30 s on, in its step"
+        assert lived < wakeups.ORPHAN_GRACE_S + 3, f"it and its worker lived {lived:.1f} s after the client died"
+        assert not marker.exists()  # ended before its step did: vLLM's shutdown never ran
+    finally:
+        for pid in (client.pid, core_pid, worker_pid):
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

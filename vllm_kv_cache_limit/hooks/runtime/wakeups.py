@@ -34,7 +34,11 @@ def start_waking(engine_core: Any, scaler: Autoscaler, wakeup: Any) -> threading
     cache and its ledger entry, and no client can reach it, so its share
     would never go back to the other instances. The shutdown kills its
     workers before vLLM's (``end_children``, from ``EngineCore.shutdown``'s
-    wrapper): killed while a step runs, they would fail the step."""
+    wrapper): killed while a step runs, they would fail the step. vLLM's
+    busy loop shuts down only after its step in progress, which on a loaded
+    machine took 19 s: a shutdown that has not begun within
+    ``ORPHAN_GRACE_S`` is not waited for, and the workers, then the engine
+    core, are killed (``end_orphan``)."""
     parent = os.getppid()
 
     def run() -> None:
@@ -48,6 +52,8 @@ def start_waking(engine_core: Any, scaler: Autoscaler, wakeup: Any) -> threading
                     parent,
                 )
                 os.kill(os.getpid(), signal.SIGTERM)
+                if not scaler.stop.wait(ORPHAN_GRACE_S):  # set by the shutdown's wrapper once it begins
+                    end_orphan()
                 return
             queue = getattr(engine_core, "input_queue", None)
             if queue is not None and queue.empty():
@@ -56,6 +62,25 @@ def start_waking(engine_core: Any, scaler: Autoscaler, wakeup: Any) -> threading
     thread = threading.Thread(target=run, name="kv-cache-autoscale", daemon=True)
     thread.start()
     return thread
+
+
+ORPHAN_GRACE_S = 3.0
+"""Seconds an orphaned engine core's own shutdown has to begin (its step
+in progress to end) before the engine core and its workers are killed."""
+
+
+def end_orphan() -> None:
+    """End this orphaned engine core at once: its workers, then itself
+    (SIGKILL, no step or shutdown waited for). Nobody can read its outputs;
+    its ledger entries go with the process (a lock the kernel drops), after
+    the workers whose memory they count."""
+    logger.error(
+        "KV cache autoscale: this orphaned engine core did not begin its shutdown within %g s (a step in "
+        "progress); ending its workers (pids %s) and itself now.",
+        ORPHAN_GRACE_S,
+        ", ".join(map(str, end_children())) or "none",
+    )
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def end_children() -> list[int]:
