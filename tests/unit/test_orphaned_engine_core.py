@@ -7,12 +7,14 @@ running the autoscaler's wake-up thread (``wakeups.start_waking``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ENGINE_CORE = textwrap.dedent(
@@ -76,8 +78,24 @@ def test_an_engine_core_whose_client_died_shuts_down(tmp_path: Path) -> None:
                 pass
 
 
-ENGINE_CORE_WITH_WORKER = textwrap.dedent(
+WITH_A_WORKER = textwrap.dedent(
     """
+    worker = multiprocessing.get_context("fork").Process(target=work, daemon=True)
+    worker.start()
+    signal.signal(signal.SIGTERM, on_term)
+    scaler = SimpleNamespace(stop=threading.Event(), budget=8 << 20, orphaned=False, close=lambda: None)
+    state = SimpleNamespace(announcement=None, autoscaler=scaler, lock=None)
+    core = SimpleNamespace(input_queue=queue.Queue(), _kvcl_state=state)
+    wakeups.start_waking(core, scaler, "WAKEUP")
+    open(marker + ".ready", "w").write(str(worker.pid))
+    """
+)
+"""An engine core's process with one worker and the autoscaler's wake-up
+thread (after a script's ``work`` and ``on_term``)."""
+
+ENGINE_CORE_WITH_WORKER = (
+    textwrap.dedent(
+        """
     import multiprocessing, os, queue, signal, sys, threading, time
     from types import SimpleNamespace
     from vllm_kv_cache_limit.hooks.runtime import engine_core, wakeups
@@ -99,16 +117,10 @@ ENGINE_CORE_WITH_WORKER = textwrap.dedent(
         engine_core._leave_budget_first(vllm_shutdown)(core)
         sys.exit(0)
 
-    worker = multiprocessing.get_context("fork").Process(target=work, daemon=True)
-    worker.start()
-    signal.signal(signal.SIGTERM, on_term)
-    scaler = SimpleNamespace(stop=threading.Event(), budget=8 << 20, orphaned=False, close=lambda: None)
-    state = SimpleNamespace(announcement=None, autoscaler=scaler, lock=None)
-    core = SimpleNamespace(input_queue=queue.Queue(), _kvcl_state=state)
-    wakeups.start_waking(core, scaler, "WAKEUP")
-    open(marker + ".ready", "w").write(str(worker.pid))
-    time.sleep(60)
     """
+    )
+    + WITH_A_WORKER
+    + "time.sleep(60)\n"
 )
 
 
@@ -120,30 +132,20 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_an_orphaned_engine_core_ends_its_workers_at_once(tmp_path: Path) -> None:
-    """Its workers hold the memory its ledger entry counts, and the entry goes
-    only once they are gone: vLLM's shutdown would give a busy worker 10 s
-    (seen in the soak: the entry counted 10 s after the API server died)."""
+@contextlib.contextmanager
+def _engine_core_with_worker(tmp_path: Path, script: str) -> Iterator[tuple[Path, int, int, subprocess.Popen]]:
+    """Run ``script`` as an engine core's process under a client process;
+    once it is ready, yield its marker file, its pid, its worker's pid and
+    the client; kill all three at the end."""
     marker = tmp_path / "engine-core"
-    client = subprocess.Popen(
-        [sys.executable, "-c", CLIENT, ENGINE_CORE_WITH_WORKER, str(marker)], stdout=subprocess.PIPE, text=True
-    )
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, script, str(marker)], stdout=subprocess.PIPE, text=True)
     assert client.stdout is not None
     core_pid = int(client.stdout.readline())
     worker_pid = None
     try:
         assert _wait(Path(f"{marker}.ready"), 120), "the engine core's process did not start its wake-ups"
         worker_pid = int(Path(f"{marker}.ready").read_text())
-        assert _alive(worker_pid) and not marker.exists()  # premise: its client lives, so it runs on
-        os.kill(client.pid, signal.SIGKILL)
-        client.wait()
-        died = time.monotonic()
-        while _alive(worker_pid) and time.monotonic() - died < 15:
-            time.sleep(0.05)
-        lived = time.monotonic() - died
-        assert not _alive(worker_pid), "the orphaned engine core's worker outlived it by 15 s"
-        assert lived < 3, f"its worker lived {lived:.1f} s after the client died"
-        assert _wait(marker, 5) and marker.read_text() == "SIGTERM"  # then vLLM's own shutdown
+        yield marker, core_pid, worker_pid, client
     finally:
         for pid in (client.pid, core_pid, worker_pid):
             if pid is not None:
@@ -153,8 +155,31 @@ def test_an_orphaned_engine_core_ends_its_workers_at_once(tmp_path: Path) -> Non
                     pass
 
 
-ENGINE_CORE_IN_A_LONG_STEP = textwrap.dedent(
-    """
+def _kill(client: subprocess.Popen, alive: Callable[[], bool], bound_s: float) -> float:
+    """SIGKILL ``client``; the seconds until ``alive()`` turned false (``bound_s`` at most)."""
+    os.kill(client.pid, signal.SIGKILL)
+    client.wait()
+    died = time.monotonic()
+    while alive() and time.monotonic() - died < bound_s:
+        time.sleep(0.05)
+    return time.monotonic() - died
+
+
+def test_an_orphaned_engine_core_ends_its_workers_at_once(tmp_path: Path) -> None:
+    """Its workers hold the memory its ledger entry counts, and the entry goes
+    only once they are gone: vLLM's shutdown would give a busy worker 10 s
+    (seen in the soak: the entry counted 10 s after the API server died)."""
+    with _engine_core_with_worker(tmp_path, ENGINE_CORE_WITH_WORKER) as (marker, _, worker_pid, client):
+        assert _alive(worker_pid) and not marker.exists()  # premise: its client lives, so it runs on
+        lived = _kill(client, lambda: _alive(worker_pid), 15)
+        assert not _alive(worker_pid), "the orphaned engine core's worker outlived it by 15 s"
+        assert lived < 3, f"its worker lived {lived:.1f} s after the client died"
+        assert _wait(marker, 5) and marker.read_text() == "SIGTERM"  # then vLLM's own shutdown
+
+
+ENGINE_CORE_IN_A_LONG_STEP = (
+    textwrap.dedent(
+        """
     import multiprocessing, queue, signal, sys, threading, time
     from types import SimpleNamespace
     from vllm_kv_cache_limit.hooks.runtime import engine_core, wakeups
@@ -169,14 +194,11 @@ ENGINE_CORE_IN_A_LONG_STEP = textwrap.dedent(
     def on_term(signum, frame):  # vLLM's handler only asks: the busy loop shuts down after its step
         requested.set()
 
-    worker = multiprocessing.get_context("fork").Process(target=work, daemon=True)
-    worker.start()
-    signal.signal(signal.SIGTERM, on_term)
-    scaler = SimpleNamespace(stop=threading.Event(), budget=8 << 20, orphaned=False, close=lambda: None)
-    state = SimpleNamespace(announcement=None, autoscaler=scaler, lock=None)
-    core = SimpleNamespace(input_queue=queue.Queue(), _kvcl_state=state)
-    wakeups.start_waking(core, scaler, "WAKEUP")
-    open(marker + ".ready", "w").write(str(worker.pid))
+    """
+    )
+    + WITH_A_WORKER
+    + textwrap.dedent(
+        """
     while True:
         time.sleep(40)  # one step that waits on a worker for 40 s (a loaded machine)
         if requested.is_set():
@@ -184,6 +206,7 @@ ENGINE_CORE_IN_A_LONG_STEP = textwrap.dedent(
             engine_core._leave_budget_first(lambda self: worker.kill())(core)
             sys.exit(0)
     """
+    )
 )
 
 
@@ -193,31 +216,10 @@ def test_an_orphaned_engine_core_in_a_long_step_ends_with_its_workers_within_a_b
     counted all that time."""
     from vllm_kv_cache_limit.hooks.runtime import wakeups
 
-    marker = tmp_path / "engine-core"
-    client = subprocess.Popen(
-        [sys.executable, "-c", CLIENT, ENGINE_CORE_IN_A_LONG_STEP, str(marker)], stdout=subprocess.PIPE, text=True
-    )
-    assert client.stdout is not None
-    core_pid = int(client.stdout.readline())
-    worker_pid = None
-    try:
-        assert _wait(Path(f"{marker}.ready"), 120), "the engine core's process did not start its wake-ups"
-        worker_pid = int(Path(f"{marker}.ready").read_text())
+    with _engine_core_with_worker(tmp_path, ENGINE_CORE_IN_A_LONG_STEP) as (marker, core_pid, worker_pid, client):
         assert _alive(core_pid) and _alive(worker_pid)  # premise: its client lives, so it runs on
-        os.kill(client.pid, signal.SIGKILL)
-        client.wait()
-        died = time.monotonic()
-        while (_alive(core_pid) or _alive(worker_pid)) and time.monotonic() - died < 30:
-            time.sleep(0.05)
-        lived = time.monotonic() - died
+        lived = _kill(client, lambda: _alive(core_pid) or _alive(worker_pid), 30)
         assert not _alive(worker_pid), "the orphaned engine core's worker lived 30 s on"
         assert not _alive(core_pid), "the orphaned engine core lived 30 s on, in its step"
         assert lived < wakeups.ORPHAN_GRACE_S + 3, f"it and its worker lived {lived:.1f} s after the client died"
         assert not marker.exists()  # ended before its step did: vLLM's shutdown never ran
-    finally:
-        for pid in (client.pid, core_pid, worker_pid):
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
