@@ -223,3 +223,71 @@ def test_an_orphaned_engine_core_in_a_long_step_ends_with_its_workers_within_a_b
         assert not _alive(core_pid), "the orphaned engine core lived 30 s on, in its step"
         assert lived < wakeups.ORPHAN_GRACE_S + 3, f"it and its worker lived {lived:.1f} s after the client died"
         assert not marker.exists()  # ended before its step did: vLLM's shutdown never ran
+
+
+ENGINE_CORE_WHOSE_EXECUTOR_MISSES_THE_EXIT = (
+    textwrap.dedent(
+        """
+    import multiprocessing, os, queue, signal, sys, threading, time
+    from types import SimpleNamespace
+    from vllm_kv_cache_limit.hooks.runtime import engine_core, wakeups
+
+    marker = sys.argv[1]
+
+    def work():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(120)
+
+    def executor_shutdown(self):  # vLLM's: is_alive() polled 5 s, SIGTERM, 4 s, then SIGKILL
+        for grace in (5, 4):
+            deadline = time.monotonic() + grace
+            while worker.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            worker.terminate()
+        worker.kill()
+
+    def on_term(signum, frame):
+        engine_core._leave_budget_first(executor_shutdown)(core)
+        open(marker, "w").write("shut down")
+        sys.exit(0)
+
+    def close():  # the autoscaler leaves the ledger: its entries stop counting the workers' memory
+        open(marker + ".closed", "w").write(repr(time.time()))
+
+    """
+    )
+    + WITH_A_WORKER
+    + textwrap.dedent(
+        """
+    scaler.close = close
+    # Another wait on the worker reaps it: multiprocessing's Popen.poll then
+    # meets ECHILD and answers None for ever, so is_alive() stays True.
+    threading.Thread(target=os.waitpid, args=(worker.pid, 0), daemon=True).start()
+    time.sleep(60)
+    """
+    )
+)
+
+
+def test_an_orphaned_engine_cores_entries_go_once_its_workers_have_exited(tmp_path: Path) -> None:
+    """Not once vLLM's shutdown has seen them go: in the 2-hour soak its
+    executor still found a killed worker alive 9 s after its memory was
+    gone (its grace periods, then SIGKILL), and the entry counted 10.5 s.
+    Here the executor cannot see the exit at all; the entries must go as
+    soon as the worker has exited (its sentinel, closed by its exit after
+    its memory is freed), long before the executor's 9 s."""
+    with _engine_core_with_worker(tmp_path, ENGINE_CORE_WHOSE_EXECUTOR_MISSES_THE_EXIT) as (
+        marker,
+        core_pid,
+        worker_pid,
+        client,
+    ):
+        closed = Path(f"{marker}.closed")
+        assert _alive(worker_pid) and not closed.exists()  # premise: its client lives, so it runs on
+        killed = time.time()
+        _kill(client, lambda: _alive(worker_pid), 15)
+        assert not _alive(worker_pid), "the orphaned engine core's worker outlived it by 15 s"
+        assert _wait(marker, 30), "the engine core's shutdown did not end"  # premise: the executor waited its 9 s
+        assert closed.exists(), "the autoscaler never left the ledger"
+        took = float(closed.read_text()) - killed
+        assert took < 4, f"its entries counted {took:.1f} s after the client died, the worker gone long before"

@@ -120,7 +120,9 @@ def _leave_budget_first(original: Callable) -> Callable:
     (``hooks.engine_entry``) and stop the autoscaler before the original tears
     the engine down, and its ledger entries after, once the workers' memory
     they count is gone; an orphaned engine core's workers are killed first
-    (``wakeups.start_waking``). Without either the original runs alone."""
+    (``wakeups.start_waking``), and its entries go as soon as they have
+    exited (``wakeups.wait_exited``), not once vLLM's executor has seen it.
+    Without either the original runs alone."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -129,17 +131,22 @@ def _leave_budget_first(original: Callable) -> Callable:
             logger.exception("Removing this instance's entry from the lock folder failed; the process exit drops it.")
         state = EngineCoreState.peek(self)
         scaler = None if state is None else state.autoscaler
-        stopped = False
+        to_leave = False  # its ledger, once the workers' memory is gone
         if state is not None and scaler is not None:
             state.autoscaler = None
             try:
-                stopped = shared_budget.stop(scaler, state.lock, SHUTDOWN_WAIT_S)
+                to_leave = shared_budget.stop(scaler, state.lock, SHUTDOWN_WAIT_S)
             except Exception:  # never in the way of vLLM's own shutdown
                 logger.exception("Stopping KV cache autoscaling failed; the process exit drops its ledger entries.")
             try:
                 if scaler.orphaned:  # nobody can reach its workers; vLLM would give a busy one 10 s
-                    ended = ", ".join(map(str, wakeups.end_children())) or "none"
+                    children = wakeups.end_children()
+                    ended = ", ".join(str(child.pid) for child in children) or "none"
                     logger.info("KV cache autoscale: ended the workers (pids %s) of this orphaned engine core.", ended)
+                    # Their memory is gone once they have exited; vLLM's
+                    # executor may see that seconds later, or never.
+                    if to_leave and wakeups.wait_exited(children, wakeups.WORKERS_EXIT_S):
+                        to_leave = not _leave(scaler, "its workers have exited")
             except Exception:  # never in the way of vLLM's own shutdown, which ends them too
                 logger.exception("Ending the workers of this orphaned engine core failed; vLLM's shutdown ends them.")
         try:
@@ -147,15 +154,21 @@ def _leave_budget_first(original: Callable) -> Callable:
         finally:
             # The entries go once the workers' memory has (their executor is
             # shut down): the ledger never says less than they commit.
-            if scaler is not None and stopped:
-                try:
-                    scaler.close()
-                except Exception:
-                    logger.exception("Leaving the shared KV cache budget's ledger failed; the process exit drops it.")
-                else:
-                    logger.debug("KV cache autoscale off: the engine core shut down; its ledger entries are removed.")
+            if scaler is not None and to_leave:
+                _leave(scaler, "the engine core shut down")
 
     return method
+
+
+def _leave(scaler: Autoscaler, why: str) -> bool:
+    """Leave the shared budget's ledger (``scaler.close()``); whether it worked."""
+    try:
+        scaler.close()
+    except Exception:
+        logger.exception("Leaving the shared KV cache budget's ledger failed; the process exit drops it.")
+        return False
+    logger.debug("KV cache autoscale off: %s; its ledger entries are removed.", why)
+    return True
 
 
 def _between_steps(engine_core: Any, limit: RuntimeLimit | None = None) -> None:

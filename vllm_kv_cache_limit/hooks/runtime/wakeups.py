@@ -69,23 +69,31 @@ ORPHAN_GRACE_S = 3.0
 in progress to end) before the engine core and its workers are killed."""
 
 
+WORKERS_EXIT_S = 5.0
+"""Seconds an orphaned engine core waits for the workers it killed to exit
+before its ledger entries go (with them, or at its own exit after)."""
+
+
 def end_orphan() -> None:
     """End this orphaned engine core at once: its workers, then itself
     (SIGKILL, no step or shutdown waited for). Nobody can read its outputs;
-    its ledger entries go with the process (a lock the kernel drops), after
-    the workers whose memory they count."""
+    its ledger entries go with the process (a lock the kernel drops), once
+    the workers whose memory they count have exited (``WORKERS_EXIT_S`` at
+    most)."""
+    children = end_children()
     logger.error(
         "KV cache autoscale: this orphaned engine core did not begin its shutdown within %g s (a step in "
         "progress); ending its workers (pids %s) and itself now.",
         ORPHAN_GRACE_S,
-        ", ".join(map(str, end_children())) or "none",
+        ", ".join(str(child.pid) for child in children) or "none",
     )
+    wait_exited(children, WORKERS_EXIT_S)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def end_children() -> list[int]:
+def end_children() -> list[Any]:
     """SIGKILL this process's multiprocessing children (an engine core's:
-    vLLM's workers) and return their pids. An orphaned engine core's workers
+    vLLM's workers) and return them. An orphaned engine core's workers
     serve nobody, and they hold the memory its ledger entry counts until they
     exit: vLLM's shutdown would give a busy worker up to 10 s (its grace
     periods) before killing it, while the entry keeps their share."""
@@ -95,9 +103,26 @@ def end_children() -> list[int]:
     for child in multiprocessing.active_children():
         with contextlib.suppress(OSError, ValueError):  # gone already, or closed
             child.kill()
-            if child.pid is not None:
-                ended.append(child.pid)
+            ended.append(child)
     return ended
+
+
+def wait_exited(children: list[Any], seconds: float) -> bool:
+    """Whether all ``children`` (multiprocessing processes) have exited
+    within ``seconds``, by their sentinels: the pipe a child's exit closes
+    once all its threads are done with its memory. Not ``is_alive()``:
+    under load vLLM's executor found a killed worker alive 9 s after its
+    memory was gone (``waitpid``, which another wait may have answered)."""
+    from multiprocessing.connection import wait
+
+    pending = set()
+    for child in children:
+        with contextlib.suppress(ValueError):  # closed: nothing to wait for
+            pending.add(child.sentinel)
+    deadline = time.monotonic() + seconds
+    while pending and (left := deadline - time.monotonic()) > 0:
+        pending.difference_update(wait(list(pending), timeout=left))
+    return not pending
 
 
 def start_deciding(scaler: Autoscaler, lock: threading.RLock, decide: Callable[[], None]) -> threading.Thread:
