@@ -66,10 +66,16 @@ class Fault:
     kind: str
     target: str
     hold_s: float = 0.0
+    slow_exits: dict[int, list[tuple[float, str]]] = field(default_factory=dict)
+    """For a kill: each process that outlived it by ``SLOW_EXIT_S``, its states (``watch_exits``)."""
 
     def label(self) -> str:
         held = f" for {self.hold_s:.0f} s" if self.hold_s else ""
         return f"{self.kind} {self.target}{held} at {self.at:.0f} s"
+
+
+SLOW_EXIT_S = 3.0
+"""A killed process still not reaped this long after its kill has its states recorded with the fault."""
 
 
 class FaultScheduler:
@@ -162,6 +168,82 @@ def group_pids(pgid: int) -> set[int]:
                 if int(fields[2]) == pgid and fields[0] != "Z":
                     found.add(int(entry.name))
     return found
+
+
+def wait_gone(pgid: int, seconds: float) -> set[int]:
+    """Wait up to ``seconds`` for the process group ``pgid`` to have no
+    live process; the pids still alive then."""
+    deadline = time.monotonic() + seconds
+    while (left := group_pids(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def pids_with_env(name: str, value: str) -> set[int]:
+    """The live processes started with ``name=value`` in their environment
+    (``/proc/<pid>/environ``): a soak's servers, found by its own lock
+    folder, including one whose start was still in progress."""
+    wanted = f"{name}={value}".encode()
+    found = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if wanted in Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0"):
+                    found.add(int(entry.name))
+    return found
+
+
+def _task_state(stat: Path) -> str:
+    """One task's state letter and kernel wait channel (``"D folio_wait_bit"``)."""
+    state = stat.read_text().rsplit(")", 1)[1].split()[0]
+    wchan = (stat.parent / "wchan").read_text().strip()
+    return f"{state} {wchan}" if wchan not in ("", "0") else state
+
+
+def proc_state(pid: int) -> str | None:
+    """What ``pid`` is doing, from ``/proc``: its state and wait channel;
+    for an exited main thread ("Z") whose other threads still run their
+    exit (the process keeps its memory until the last one has), theirs
+    too: ``"Z; 2 threads left: D folio_wait_bit, R"``. None once reaped."""
+    try:
+        state = _task_state(Path(f"/proc/{pid}/stat"))
+        if not state.startswith("Z"):
+            return state
+        left = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, IndexError):
+                if int(task.name) != pid and not (other := _task_state(task / "stat")).startswith(("Z", "X")):
+                    left.append(other)
+    except (OSError, IndexError):
+        return None
+    return f"Z; {len(left)} threads left: {', '.join(sorted(left))}" if left else state
+
+
+def exited(state: str) -> bool:
+    """Whether a ``proc_state`` (or "gone") is a process that has exited,
+    all its threads: a zombie holds no memory and no lock, whoever reaps
+    it and when."""
+    return state == "gone" or state == "Z"
+
+
+def watch_exits(pids: set[int], seconds: float, every_s: float = 0.1) -> dict[int, list[tuple[float, str]]]:
+    """Each of ``pids``' states (``proc_state``, "gone" once reaped) from
+    now until it has exited or ``seconds`` pass, one row per change with
+    its seconds since the call: what a killed process that outlives its
+    kill was doing (running, or waiting in the kernel, and on what)."""
+    start = time.monotonic()
+    seen: dict[int, list[tuple[float, str]]] = {pid: [] for pid in pids}
+    while True:
+        t = time.monotonic() - start
+        for pid, rows in seen.items():
+            if rows and exited(rows[-1][1]):
+                continue
+            state = proc_state(pid) or "gone"
+            if not rows or rows[-1][1] != state:
+                rows.append((round(t, 2), state))
+        if t >= seconds or all(exited(rows[-1][1]) for rows in seen.values()):
+            return seen
+        time.sleep(every_s)
 
 
 def memory(pid: int) -> dict[str, int] | None:

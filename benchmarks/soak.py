@@ -105,9 +105,7 @@ class Runner:
         if self.cm is not None and self.server.pid is not None and checks.group_pids(self.server.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.server.pid, signal.SIGTERM)
-            deadline = time.monotonic() + wait_s
-            while checks.group_pids(self.server.pid) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            checks.wait_gone(self.server.pid, wait_s)
         if self.cm is not None:
             self.cm.__exit__(None, None, None)
             for pid in checks.group_pids(self.server.pid):  # an engine core that outlived its API server
@@ -226,20 +224,21 @@ class Soak:
             pids = runner.pids()
             os.killpg(runner.server.pid, signal.SIGKILL)
             self.checker.killed(pids, t, runner.name)
+            watch = self.watch_exits(fault, pids)
             runner.stop()
+            watch.join()
             self.restart(runner)
         elif kind == "api_kill":
             pids = runner.pids()
             os.kill(runner.server.pid, signal.SIGKILL)
             self.checker.killed(pids, t, runner.name)
-            deadline = time.monotonic() + self.args.freed_s
-            while checks.group_pids(runner.server.pid) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            left = checks.group_pids(runner.server.pid)
+            watch = self.watch_exits(fault, pids)
+            left = checks.wait_gone(runner.server.pid, self.args.freed_s)
             if left:
                 print(f"{self.now():7.1f} s  {sorted(left)} outlived the API server of {runner.tag}", flush=True)
                 time.sleep(2.0)  # a reading sees the entry still counted
             runner.stop()
+            watch.join()
             self.restart(runner)
         elif kind == "stop":
             os.killpg(runner.server.pid, signal.SIGSTOP)
@@ -276,6 +275,24 @@ class Soak:
                 )
             runner.stop()
             self.restart(runner)
+
+    def watch_exits(self, fault: checks.Fault, pids: set[int]) -> threading.Thread:
+        """Watch the killed ``pids`` die (``checks.watch_exits``, bounded
+        past (d)'s bound); those that took ``SLOW_EXIT_S`` or more are kept
+        in ``fault.slow_exits`` and printed, with what they were doing."""
+
+        def run() -> None:
+            seen = checks.watch_exits(pids, self.args.freed_s + 20.0)
+            for pid, rows in seen.items():
+                gone = rows[-1][0] if checks.exited(rows[-1][1]) else None
+                if gone is None or gone >= checks.SLOW_EXIT_S:
+                    fault.slow_exits[pid] = rows
+                    states = "; ".join(f"{at:g} s {state}" for at, state in rows)
+                    print(f"{self.now():7.1f} s  {fault.label()}: pid {pid} after its kill: {states}", flush=True)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
 
     def malformed(self, hold_s: float) -> None:
         """A malformed ledger entry and a malformed instance entry, each locked (alive) by an outside process."""
@@ -411,8 +428,15 @@ def main() -> None:
             soak.sample()  # a restart that joined after the last reading joined in time
             soak.checker.finish(soak.now())
         finally:
+            soak.done.set()  # ended by a signal: the fault thread starts no other fault
             for runner in runners.values():
                 runner.stop()
+            # A server whose start was in progress in the fault thread (a soak
+            # ended by a signal) is no runner's yet: found by the lock folder.
+            for pid in checks.pids_with_env("VLLM_KV_CACHE_LIMIT_LOCK_DIR", str(lock_dir)):
+                print(f"killing pid {pid}: a server of this soak that no runner stopped", flush=True)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             if mounted:
                 subprocess.run(["umount", "-l", str(lock_dir)], check=False)
     summary = report(soak, kinds)

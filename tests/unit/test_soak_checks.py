@@ -246,3 +246,91 @@ def test_a_soak_longer_than_its_trace_replays_the_trace_again() -> None:
     assert checks.looped(trace, 0.0, 60.0, 60.0) == trace  # within one lap: the trace itself
     with pytest.raises(ValueError, match="positive"):
         checks.looped(trace, 0.0, 60.0, 0.0)
+
+
+def test_watch_exits_records_what_a_killed_process_did_until_it_exited() -> None:
+    """A child that sleeps, then a grandchild-free exit at its kill: the
+    rows show it sleeping, then exited (a zombie until reaped, or gone),
+    at or after the kill; one that outlives the bound has no exit row."""
+    import signal
+    import subprocess
+    import threading
+
+    killed = subprocess.Popen(["sleep", "60"])
+    lives = subprocess.Popen(["sleep", "60"])
+    try:
+        seen: dict = {}
+        watch = threading.Thread(target=lambda: seen.update(checks.watch_exits({killed.pid, lives.pid}, 1.5)))
+        watch.start()
+        killed.send_signal(signal.SIGKILL)  # not reaped until .wait(): a zombie meanwhile
+        watch.join(timeout=30)
+        assert not watch.is_alive()
+        rows = seen[killed.pid]
+        assert checks.exited(rows[-1][1]) and rows[-1][1].startswith("Z"), rows
+        assert [state[0] for _, state in rows[:-1]] in ([], ["S"], ["R"], ["S", "R"], ["R", "S"]), rows
+        assert not any(checks.exited(state) for _, state in seen[lives.pid]), seen[lives.pid]
+        assert seen[lives.pid][-1][1].startswith("S"), seen[lives.pid]  # asleep in the kernel at the bound
+        killed.wait(timeout=10)
+        assert checks.proc_state(killed.pid) is None
+    finally:
+        lives.kill()
+        lives.wait(timeout=10)
+        killed.kill()
+        killed.wait(timeout=10)
+
+
+def test_a_soaks_processes_are_found_by_their_environment_and_waited_for_with_a_bound(tmp_path: Path) -> None:
+    """``pids_with_env`` finds a process started with the soak's lock folder
+    and nothing else; ``wait_gone`` returns what outlives its bound, then
+    nothing once the group has exited."""
+    import os
+    import subprocess
+    import time
+
+    env = {**os.environ, "VLLM_KV_CACHE_LIMIT_LOCK_DIR": str(tmp_path)}
+    ours = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"], env={**env, "VLLM_KV_CACHE_LIMIT_LOCK_DIR": str(tmp_path / "x")})
+    try:
+        assert checks.pids_with_env("VLLM_KV_CACHE_LIMIT_LOCK_DIR", str(tmp_path)) == {ours.pid}
+        began = time.monotonic()
+        assert checks.wait_gone(ours.pid, 0.5) == {ours.pid}
+        assert 0.5 <= time.monotonic() - began < 5
+        ours.kill()
+        ours.wait(timeout=10)  # reaped: group_pids leaves zombies out anyway
+        assert checks.wait_gone(ours.pid, 5) == set()
+        assert checks.pids_with_env("VLLM_KV_CACHE_LIMIT_LOCK_DIR", str(tmp_path)) == set()
+    finally:
+        for proc in (ours, other):
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_a_process_whose_main_thread_exited_has_not_exited_while_a_thread_runs() -> None:
+    """Its main thread is a zombie, yet it keeps its memory until its last
+    thread exits: ``proc_state`` names the threads left, and ``exited``
+    holds only once the last one has gone."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import ctypes, threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+        "print('ready', flush=True)\n"
+        "ctypes.CDLL(None).pthread_exit(None)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        deadline = time.monotonic() + 10
+        while not (checks.proc_state(proc.pid) or "").startswith("Z") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = checks.proc_state(proc.pid)
+        assert state is not None and state.startswith("Z; 1 threads left: "), state  # its sleeping thread
+        assert not checks.exited(state)
+        proc.kill()
+        proc.wait(timeout=10)
+        assert checks.proc_state(proc.pid) is None and checks.exited("gone") and checks.exited("Z")
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
