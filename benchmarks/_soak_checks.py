@@ -1,7 +1,7 @@
 """The fault soak's invariant checker and fault scheduler (``soak.py``),
 apart from the servers so that they can be tested on injected readings
-(``tests/unit/test_soak_checks.py``). The readings from outside (``read_ledger``, ``group_pids``, ``memory``)
-are here too. No vLLM import here.
+(``tests/unit/test_soak_checks.py``). The readings from outside (``read_ledger``, ``group_pids``, ``memory``,
+``cpu_seconds``, ``cpu_ticks``) are here too. No vLLM import here.
 
 The checker gets one reading a second (the ledger's live entries, each
 instance's state and status, read from outside) and every finished
@@ -150,6 +150,24 @@ def looped(
     return sorted(out)
 
 
+def place(loads: dict[str, float], cpus: list[int]) -> dict[str, int]:
+    """A CPU for each instance, by its traffic (``loads``, any measure of
+    work): the heaviest first, each on the CPU with the least load so far
+    (the lowest-numbered on a tie). With fewer CPUs than instances, the
+    busiest traces are kept apart: two of them on one CPU leave it saturated
+    while another idles, and the requests of both wait on the CPU, not on
+    anything the soak checks."""
+    if not cpus:
+        raise ValueError("no CPU to place the instances on")
+    load = {cpu: 0.0 for cpu in cpus}
+    out = {}
+    for name in sorted(loads, key=lambda n: (-loads[n], n)):
+        cpu = min(cpus, key=lambda k: (load[k], k))
+        out[name] = cpu
+        load[cpu] += loads[name]
+    return out
+
+
 def label_pid(label: Any) -> int | None:
     """The pid of a ledger entry's label, ``<host> pid <pid>``."""
     try:
@@ -256,6 +274,41 @@ def memory(pid: int) -> dict[str, int] | None:
                 out[key] = int(rest.split()[0]) * 1024
     except OSError:
         return None
+    return out
+
+
+def cpu_seconds(pids: set[int]) -> float:
+    """User plus system CPU seconds that ``pids`` have used so far
+    (``/proc/<pid>/stat``); a process already gone adds nothing."""
+    ticks = 0
+    for pid in pids:
+        try:  # the fields after the command, whose name may hold spaces and parentheses
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
+        except (OSError, IndexError, ValueError):
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ticks() -> dict[int, tuple[int, int]]:
+    """Per CPU, its busy and its total clock ticks so far (``/proc/stat``;
+    idle and iowait are not busy)."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *values = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            ticks = [int(v) for v in values[:8]]  # user nice system idle iowait irq softirq steal
+            out[int(name[3:])] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))
+    return out
+
+
+def busy(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> dict[int, float | None]:
+    """Per CPU, the share of the time between two ``cpu_ticks`` it was busy
+    (None where no tick passed)."""
+    out: dict[int, float | None] = {}
+    for cpu, (used, total) in after.items():
+        used0, total0 = before.get(cpu, (used, total))
+        out[cpu] = round((used - used0) / (total - total0), 3) if total > total0 else None
     return out
 
 

@@ -17,7 +17,10 @@ lock where the lock is free within 0.5 s), each server's status route
 their RSS and ``LazyFree``) and the servers' logs; every finished request
 is checked too; the exit status is 1 when any invariant was violated.
 Writes ``benchmarks/results/soak_<name>.json`` (settings,
-faults, violations, worst values, samples) and prints a one-screen table.
+faults, violations, worst values, samples: with each instance's requests
+running and waiting, its demand, its processes' CPU seconds, and each
+CPU's busy share) and ``soak_<name>_requests.csv`` (every request: sent,
+took, time to first token, error), and prints a one-screen table.
 The servers' logs are ``benchmarks/results/soak_<name>-<instance>-<start>.log``.
 
 The disk of the lock folder is filled (``fill``) only where a small tmpfs
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import json
 import math
 import os
@@ -133,6 +137,9 @@ class Soak:
         self.lock = threading.Lock()
         self.unlocked_reads = 0
         self.logs: dict[Path, tuple[int, int]] = {}
+        self.sent: list[tuple] = []
+        """Each request: instance, sent (s), took (s), TTFT (s), prompt and output tokens, error."""
+        self.ticks = checks.cpu_ticks()
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -145,8 +152,20 @@ class Soak:
             def send(p: int = prompt, m: int = max_tokens, i: int = index) -> None:
                 sent, base = self.now(), runner.base()
                 found = one_request(base, p, m, i) if base else {"error": f"{runner.name} is {runner.state}"}
+                ended = self.now()
                 with self.lock:
-                    self.checker.request(runner.name, sent, self.now(), found.get("error"))
+                    self.checker.request(runner.name, sent, ended, found.get("error"))
+                    self.sent.append(
+                        (
+                            runner.name,
+                            round(sent, 2),
+                            round(ended - sent, 2),
+                            found.get("ttft"),
+                            p,
+                            m,
+                            found.get("error"),
+                        )
+                    )
 
             thread = threading.Thread(target=send, daemon=True)
             thread.start()
@@ -172,7 +191,9 @@ class Soak:
                     self.checker.tracebacks(
                         self.now(), runner.server.log_path.stem, self.tracebacks(runner.server.log_path)
                     )
+        ticks, self.ticks = self.ticks, checks.cpu_ticks()
         row: dict[str, Any] = {"t_s": round(self.now(), 1), "fault": self.fault, "held": [e["holds"] for e in ledger]}
+        row["busy"] = list(checks.busy(ticks, self.ticks).values())  # per CPU, since the last reading
         for name, inst in instances.items():
             scale = ((inst.status or {}).get("autoscale")) or {}
             # The KV cache is in the worker: not the API server, not the engine core (the entry's pid).
@@ -185,6 +206,10 @@ class Soak:
                 "held": scale.get("held_bytes"),
                 "rss": mem and mem.get("Rss"),
                 "lazyfree": mem and mem.get("LazyFree"),
+                "running": (inst.status or {}).get("num_requests_running"),
+                "waiting": (inst.status or {}).get("num_requests_waiting"),
+                "demand": scale.get("demand_blocks"),
+                "cpu_s": round(checks.cpu_seconds(inst.pids), 2),  # all its processes, so far
             }
         self.samples.append(row)
 
@@ -388,7 +413,9 @@ def main() -> None:
         window = checks.looped(whole, (args.start_min + offset) * 60, args.minutes * 60 * args.speed, period)
         traces[name] = [(at / args.speed, prompt, tokens) for at, prompt, tokens in window][:: args.keep]
     print(", ".join(f"{n}: {len(t)} requests" for n, t in traces.items()), flush=True)
-    cpus = sorted(os.sched_getaffinity(0))
+    # Each worker on a CPU of its own where there are enough, the busiest traces apart where not.
+    placed = checks.place({n: sum(p + m for _, p, m in t) for n, t in traces.items()}, sorted(os.sched_getaffinity(0)))
+    print("workers on CPUs " + ", ".join(f"{n}: {cpu}" for n, cpu in placed.items()), flush=True)
     with tempfile.TemporaryDirectory(prefix="kv-soak-") as tmp:
         lock_dir = Path(tmp) / "locks"
         lock_dir.mkdir(mode=0o700)
@@ -397,7 +424,7 @@ def main() -> None:
             print("fill left out: no tmpfs can be mounted on the lock folder here (needs root)", flush=True)
             kinds.remove("fill")
             scheduler = checks.FaultScheduler(args.seed, kinds, list(TRACES), *args.interval)
-        runners = {n: Runner(n, traces[n], cpus[i % len(cpus)], args, model, lock_dir) for i, n in enumerate(TRACES)}
+        runners = {n: Runner(n, traces[n], placed[n], args, model, lock_dir) for n in TRACES}
         soak = Soak(args, runners, lock_dir, mounted)
         try:
             starts = [threading.Thread(target=r.start) for r in runners.values()]
@@ -446,7 +473,14 @@ def main() -> None:
     payload |= {"settings": {**vars(args), "kinds": kinds}, "traces": trace_note, **summary}
     payload |= {"faults": soak.faults, "bounds": vars(soak.checker.bounds), "samples": soak.samples}
     out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    print(f"\nresults: {out}")
+    sent = out.with_name(f"soak_{args.name}_requests.csv")
+    with sent.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["instance", "sent_s", "took_s", "ttft_s", "prompt_tokens", "max_tokens", "error"])
+        writer.writerows(
+            (*row[:3], row[3] and round(row[3], 2), *row[4:]) for row in sorted(soak.sent, key=lambda r: r[1])
+        )
+    print(f"\nresults: {out}, {sent.name}")
     if summary["violations"]:  # make soak-ci fails
         raise SystemExit(f"{len(summary['violations'])} violations of the invariants: see {out}")
 

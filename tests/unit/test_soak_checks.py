@@ -334,3 +334,49 @@ def test_a_process_whose_main_thread_exited_has_not_exited_while_a_thread_runs()
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_cpu_seconds_and_busy_shares_follow_a_spinning_process() -> None:
+    """A process spinning on one CPU: ``cpu_seconds`` grows with what it
+    has used (and a process gone adds nothing), and ``busy`` gives that
+    CPU a busy share of at least a half over a stretch it spun through."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nprint('ready', flush=True)\nwhile True: pass\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        first, before, began = checks.cpu_seconds({proc.pid}), checks.cpu_ticks(), time.monotonic()
+        deadline = began + 60  # a bound: on a loaded machine the spinner gets a fraction of its CPU
+        while checks.cpu_seconds({proc.pid}) < first + 0.3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        used, shares = checks.cpu_seconds({proc.pid}) - first, checks.busy(before, checks.cpu_ticks())
+        assert 0.3 <= used <= time.monotonic() - began + 0.05, used  # one thread: at most its wall time
+        assert shares[cpu] is not None and 0.5 <= shares[cpu] <= 1.0, shares
+        assert all(s is None or 0.0 <= s <= 1.0 for s in shares.values()), shares
+        proc.kill()
+        proc.wait(timeout=10)
+        assert checks.cpu_seconds({proc.pid}) == 0.0
+        now = checks.cpu_ticks()
+        assert set(checks.busy(now, now).values()) == {None}  # no tick between the two
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_the_busiest_traces_go_to_different_cpus() -> None:
+    """Two conversation traces and a lighter code trace on 2 CPUs: the two
+    heavy ones apart, the light one beside the lighter of them; with a CPU
+    each, each its own; with none, a clear error."""
+    loads = {"a": 7871.0, "b": 3728.0, "c": 7876.0}
+    placed = checks.place(loads, [0, 1])
+    assert placed["a"] != placed["c"], placed
+    assert placed["b"] == placed["a"], placed  # a's load is the lighter of the two
+    assert sorted(checks.place(loads, [2, 5, 7]).values()) == [2, 5, 7]
+    assert checks.place({"x": 1.0, "y": 1.0}, [3]) == {"x": 3, "y": 3}
+    with pytest.raises(ValueError, match="no CPU"):
+        checks.place(loads, [])
