@@ -248,7 +248,10 @@ def watch_exits(pids: set[int], seconds: float, every_s: float = 0.1) -> dict[in
     """Each of ``pids``' states (``proc_state``, "gone" once reaped) from
     now until it has exited or ``seconds`` pass, one row per change with
     its seconds since the call: what a killed process that outlives its
-    kill was doing (running, or waiting in the kernel, and on what)."""
+    kill was doing (running, or waiting in the kernel, and on what), and
+    while it has not exited the memory it still holds (``"R; rss 768
+    MiB"``, in steps of 64 MiB above 64 MiB): whether its memory was gone
+    before its ledger entry."""
     start = time.monotonic()
     seen: dict[int, list[tuple[float, str]]] = {pid: [] for pid in pids}
     while True:
@@ -257,6 +260,10 @@ def watch_exits(pids: set[int], seconds: float, every_s: float = 0.1) -> dict[in
             if rows and exited(rows[-1][1]):
                 continue
             state = proc_state(pid) or "gone"
+            mem = None if exited(state) else memory(pid)
+            if mem and "Rss" in mem:
+                mib = mem["Rss"] >> 20
+                state += f"; rss {mib if mib < 64 else mib // 64 * 64} MiB"
             if not rows or rows[-1][1] != state:
                 rows.append((round(t, 2), state))
         if t >= seconds or all(exited(rows[-1][1]) for rows in seen.values()):

@@ -270,6 +270,7 @@ def test_watch_exits_records_what_a_killed_process_did_until_it_exited() -> None
         assert [state[0] for _, state in rows[:-1]] in ([], ["S"], ["R"], ["S", "R"], ["R", "S"]), rows
         assert not any(checks.exited(state) for _, state in seen[lives.pid]), seen[lives.pid]
         assert seen[lives.pid][-1][1].startswith("S"), seen[lives.pid]  # asleep in the kernel at the bound
+        assert "; rss " in seen[lives.pid][-1][1] and "rss" not in rows[-1][1], (seen[lives.pid], rows)
         killed.wait(timeout=10)
         assert checks.proc_state(killed.pid) is None
     finally:
