@@ -260,9 +260,9 @@ def watch_exits(pids: set[int], seconds: float, every_s: float = 0.1) -> dict[in
             if rows and exited(rows[-1][1]):
                 continue
             state = proc_state(pid) or "gone"
-            mem = None if exited(state) else memory(pid)
-            if mem and "Rss" in mem:
-                mib = mem["Rss"] >> 20
+            rss = None if exited(state) else resident(pid)
+            if rss is not None:
+                mib = rss >> 20
                 state += f"; rss {mib if mib < 64 else mib // 64 * 64} MiB"
             if not rows or rows[-1][1] != state:
                 rows.append((round(t, 2), state))
@@ -273,9 +273,14 @@ def watch_exits(pids: set[int], seconds: float, every_s: float = 0.1) -> dict[in
 
 def memory(pid: int) -> dict[str, int] | None:
     """RSS and ``LazyFree`` of ``pid`` in bytes (``/proc/<pid>/smaps_rollup``)."""
+    return memory_at(Path(f"/proc/{pid}"))
+
+
+def memory_at(proc: Path) -> dict[str, int] | None:
+    """RSS and ``LazyFree`` in bytes from ``<proc>/smaps_rollup`` (a process's or a thread's folder)."""
     out = {}
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        for line in (proc / "smaps_rollup").read_text().splitlines():
             key, _, rest = line.partition(":")
             if key in ("Rss", "LazyFree"):
                 out[key] = int(rest.split()[0]) * 1024
@@ -317,6 +322,18 @@ def busy(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) 
         used0, total0 = before.get(cpu, (used, total))
         out[cpu] = round((used - used0) / (total - total0), 3) if total > total0 else None
     return out
+
+
+def resident(pid: int) -> int | None:
+    """The bytes ``pid`` still has resident, also once its main thread has
+    exited and another thread still runs (read from that thread: the main
+    thread's own ``/proc`` files show no memory then); None once none can
+    be read."""
+    for path in (Path(f"/proc/{pid}"), *sorted(Path(f"/proc/{pid}/task").glob("*"))):
+        mem = memory_at(path)
+        if mem and "Rss" in mem:
+            return mem["Rss"]
+    return None
 
 
 def read_ledger(lock_dir: Path, wait_s: float = 0.5) -> tuple[list[dict[str, Any]], bool]:

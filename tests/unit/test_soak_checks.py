@@ -329,6 +329,7 @@ def test_a_process_whose_main_thread_exited_has_not_exited_while_a_thread_runs()
         state = checks.proc_state(proc.pid)
         assert state is not None and state.startswith("Z; 1 threads left: "), state  # its sleeping thread
         assert not checks.exited(state)
+        assert (checks.resident(proc.pid) or 0) > 1 << 20  # read from its live thread
         proc.kill()
         proc.wait(timeout=10)
         assert checks.proc_state(proc.pid) is None and checks.exited("gone") and checks.exited("Z")
