@@ -399,6 +399,13 @@ def main() -> None:
     for flag, default in shape.items():  # the requests (as bench_shared_replay.py) and the servers
         parser.add_argument(f"--{flag}", type=int, default=default, help=f"(default {default})")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--place",
+        choices=("order", "traffic"),
+        default="order",
+        help="the workers' CPUs where there are fewer than servers: by the servers' order (default), or the "
+        "busiest traces apart (fewer slow requests, and no idle CPU left for a restart: RESULTS.md 13)",
+    )
     parser.add_argument("--name", default="soak")
     args = parser.parse_args()
     kinds = list(dict.fromkeys(args.kinds))
@@ -413,8 +420,11 @@ def main() -> None:
         window = checks.looped(whole, (args.start_min + offset) * 60, args.minutes * 60 * args.speed, period)
         traces[name] = [(at / args.speed, prompt, tokens) for at, prompt, tokens in window][:: args.keep]
     print(", ".join(f"{n}: {len(t)} requests" for n, t in traces.items()), flush=True)
-    # Each worker on a CPU of its own where there are enough, the busiest traces apart where not.
-    placed = checks.place({n: sum(p + m for _, p, m in t) for n, t in traces.items()}, sorted(os.sched_getaffinity(0)))
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.place == "traffic":  # where there are fewer CPUs than servers, the busiest traces apart
+        placed = checks.place({n: sum(p + m for _, p, m in t) for n, t in traces.items()}, cpus)
+    else:  # by the servers' order, a CPU each while there are enough
+        placed = {n: cpus[i % len(cpus)] for i, n in enumerate(traces)}
     print("workers on CPUs " + ", ".join(f"{n}: {cpu}" for n, cpu in placed.items()), flush=True)
     with tempfile.TemporaryDirectory(prefix="kv-soak-") as tmp:
         lock_dir = Path(tmp) / "locks"
