@@ -16,11 +16,17 @@ import pytest
 
 from tests.e2e.conftest import cap_error
 from tests.e2e.test_side_by_side import bind_two_workers
+from tests.helpers import live_ledger_entries
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.smoke]  # autoscaling is the plugin's; every CPU build
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 40
 """About 360 tokens: 3 blocks of 128 tokens a request."""
+FORCE_KILLED = "[shutdown] Process manager: force killing remaining process EngineCore"
+"""vLLM's client gives the engine core 5 s after its SIGTERM, then kills it:
+on a loaded machine its workers alone took 4 s to exit, and a kill before
+the engine core's shutdown ends leaves its ledger entry's file, unlocked
+(the kernel dropped its lock), for the next reader to remove."""
 
 
 def test_llm_autoscaled_starts_at_its_floor_and_grows_for_a_batch(probe, tmp_path: Path) -> None:
@@ -35,11 +41,14 @@ def test_llm_autoscaled_starts_at_its_floor_and_grows_for_a_batch(probe, tmp_pat
         max_tokens=16,
     )
     assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{log[-3000:]}"
-    # It took its place in the device's ledger, and its clean exit removed
-    # its entry (not left to the next instance's reader).
+    # It took its place in the device's ledger, and its exit left no live
+    # entry: a clean one removed it (not left to the next instance's reader).
     ledgers = list(locks.glob("budget-*"))
     assert len(ledgers) == 1 and (ledgers[0] / "ledger.lock").is_file(), sorted(locks.rglob("*"))
-    assert not list(ledgers[0].glob("*.entry")), sorted(ledgers[0].iterdir())
+    left = sorted(ledgers[0].glob("*.entry"))
+    assert live_ledger_entries(locks) == 0, (left, log[-3000:])
+    if FORCE_KILLED not in log:
+        assert not left, (left, log[-3000:])
     assert "shared budget 32MiB of host memory node 0 (CPU backend), others hold 0B (none)" in log, log[-3000:]
     assert result["kv_cache_bytes"] == [16 * 2**20]  # allocated at start-up: the most it can grow to
     started = re.search(r"KV cache autoscale on: limit \S+ per worker \(the floor, (\d+) of (\d+) blocks\)", log)
