@@ -347,6 +347,12 @@ def test_killed_instance_gives_its_share_back(pair: dict[str, Any]) -> None:
     floor = status(a)["autoscale"]["floor_bytes"]
     base_b, log_b = pair["servers"]["b"]
     assert "KV cache autoscale on" in log_b.read_text()
+    # Each instance's worker holds a companion of its entry, locked: the
+    # entry stays counted until the worker exits, whatever order they die in.
+    entries = sorted(p.name for p in pair["locks"].glob("budget-*/*.entry"))
+    companions = sorted(pair["locks"].glob("budget-*/*.entry.w*"))
+    assert len(entries) == 2 and sorted(c.name.rpartition(".w")[0] for c in companions) == entries, companions
+    assert all(_locked(c) for c in companions), companions
     pgid = _server_pgid(base_b)
     os.killpg(pgid, signal.SIGKILL)
     wait_for(lambda: _gone(pgid), "B's processes to go", 60)
@@ -357,7 +363,23 @@ def test_killed_instance_gives_its_share_back(pair: dict[str, Any]) -> None:
     assert not on_a.failures, on_a.failures[:3]
     others = status(a)["autoscale"]["others"]
     assert others == [], others
-    assert len(list(pair["locks"].glob("budget-*/*.entry"))) == 1
+    (left,) = pair["locks"].glob("budget-*/*.entry")
+    # B's entry and its worker's companion went together; A's are there.
+    assert [c.name for c in pair["locks"].glob("budget-*/*.entry.w*")] == [f"{left.name}.w0"]
+
+
+def _locked(path: Path) -> bool:
+    """Whether a live process holds ``path``'s lock."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _server_pgid(base: str) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from vllm_kv_cache_limit.logic.budget_ledger import Companions
 from vllm_kv_cache_limit.logic.cap_decision import CapDecision
 
 ATTRIBUTE = "_kvcl_worker"
@@ -65,6 +66,9 @@ class WorkerState:
     """What the user can do about ``refusal``."""
     said_stays: bool = False
     """Whether the line saying a lower limit returns no GPU memory was logged."""
+    companions: Companions | None = None
+    """With a shared budget: the companions of the instance's ledger entries
+    this worker holds locked until it exits (``hooks.runtime.worker``)."""
 
     @classmethod
     def of(cls, *holders: Any) -> WorkerState:

@@ -6,7 +6,10 @@ start-up lock folder (``startup_lock.lock_dir``). Each instance's entry is
 a file it created (``O_EXCL``) and holds an ``flock`` on for as long as its
 engine core lives; the kernel drops that lock when the process dies, however
 it dies, so a reader that can lock an entry knows its owner is gone and
-ignores it (and removes it where it may). No pid is ever compared, so a
+ignores it (and removes it where it may), unless one of the instance's
+workers still holds a companion of the entry (:data:`COMPANION_INFIX`):
+the workers hold the memory, and a worker's lock goes only as it exits. No
+pid is ever compared, so a
 reused pid cannot keep a dead share alive, also across containers (``flock``
 works on the shared file, whatever the PID namespace). Every read and write
 of the ledger happens under the folder's ``ledger.lock``, so an instance
@@ -31,10 +34,11 @@ import fcntl
 import json
 import logging
 import os
+import re
 import secrets
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +50,16 @@ logger = logging.getLogger("vllm.plugins.kv_cache_limit")
 
 LEDGER_LOCK = "ledger.lock"
 ENTRY_SUFFIX = ".entry"
+COMPANION_INFIX = ".w"
+"""A worker's companion of its instance's entry, ``<entry>.w<rank>``:
+created and locked by the worker (:class:`Companions`) for as long as it
+lives. The kernel drops that lock as the worker exits, after its memory is
+gone (``exit_mm`` runs before ``exit_files``), so an entry whose engine core
+died first (a SIGKILL of the process group) is counted while a companion is
+locked: its workers may take seconds more to exit, their memory held. Only
+a companion owned by the entry's owner counts. Its name does not end in
+:data:`ENTRY_SUFFIX`: readers of earlier releases pass it by."""
+_ENTRY_NAME = re.compile(r"[0-9a-f]{16}" + re.escape(ENTRY_SUFFIX))
 RECORD_BYTES = 4096
 WAIT_S = 30.0
 """The longest a transaction waits for the ledger's lock unless told
@@ -128,6 +142,7 @@ class Ledger:
     """One instance's place in a device's ledger (see the module docstring)."""
 
     def __init__(self, folder: str, key: str, label: str | None = None, budget: int | None = None) -> None:
+        self.folder = folder
         self.key = key
         self.label = label or holder_label()
         self.budget = budget
@@ -226,25 +241,27 @@ class Ledger:
 
     def _live_others(self) -> list[dict[str, Any]]:
         found = []
-        for name in sorted(os.listdir(self.dir_fd)):
+        names = sorted(os.listdir(self.dir_fd))
+        for name in names:
             if not name.endswith(ENTRY_SUFFIX) or name == self.entry_name:
                 continue
             fd = open_regular(self.dir_fd, name, os.O_RDONLY)
             if fd is None:
                 continue
             try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except BlockingIOError:  # its owner holds it: alive
+                if held(self.dir_fd, name, fd, names):  # its engine core or one of its workers lives
                     record = self._checked(name, fd)
                     if record is not None:
                         found.append(record)
                     continue
-                # The owner is gone (the kernel dropped its lock): not counted.
+                # The owner and its workers are gone (the kernel dropped their locks): not counted.
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=self.dir_fd)
+                _remove_unlocked(self.dir_fd, companions_of(name, names))
             finally:
                 os.close(fd)
+        entries = {name for name in names if name.endswith(ENTRY_SUFFIX)}
+        _remove_unlocked(self.dir_fd, [n for n in names if _companion_entry(n) not in (None, *entries)])
         return found
 
     def forget(self) -> None:
@@ -261,10 +278,12 @@ class Ledger:
         self.entry_name = ""
 
     def close(self) -> None:
-        """Leave the ledger (the share goes back to the others)."""
+        """Leave the ledger (the share goes back to the others), and remove
+        the companions of workers that have exited."""
         if self.entry_fd >= 0:
             with contextlib.suppress(OSError):
                 os.unlink(self.entry_name, dir_fd=self.dir_fd)
+                _remove_unlocked(self.dir_fd, companions_of(self.entry_name, os.listdir(self.dir_fd)))
             os.close(self.entry_fd)
             self.entry_fd = -1
         for fd in (self.lock_fd, self.dir_fd):
@@ -285,6 +304,139 @@ def _forget_in_forked_children(ledger: Ledger) -> None:
             found.forget()
 
     os.register_at_fork(after_in_child=after_in_child)
+
+
+def companions_of(entry: str, names: Iterable[str]) -> list[str]:
+    """The companions of ``entry`` among the file ``names`` of its folder."""
+    return [name for name in names if _companion_entry(name) == entry]
+
+
+def _companion_entry(name: str) -> str | None:
+    """The entry ``name`` is a companion of, or None when it is none."""
+    entry, infix, rank = name.rpartition(COMPANION_INFIX)
+    return entry if infix and rank.isdigit() and entry.endswith(ENTRY_SUFFIX) else None
+
+
+def held(dir_fd: int, name: str, fd: int, names: Iterable[str]) -> bool:
+    """Whether entry ``name`` of the folder ``dir_fd`` (open on ``fd``) has
+    a live owner: its engine core holds its lock, or, that lock dropped, one
+    of the instance's workers still holds a companion (owned by the entry's
+    owner: one planted by another user keeps nothing counted). ``names``:
+    the folder's files."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    owner = os.fstat(fd).st_uid
+    for companion in companions_of(name, names):
+        companion_fd = open_regular(dir_fd, companion, os.O_RDONLY)
+        if companion_fd is None:
+            continue
+        try:
+            if os.fstat(companion_fd).st_uid != owner:
+                continue
+            try:
+                fcntl.flock(companion_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+        finally:
+            os.close(companion_fd)
+    return False
+
+
+def _remove_unlocked(dir_fd: int, names: Iterable[str]) -> None:
+    """Remove the files ``names`` of the folder ``dir_fd`` that nobody holds locked."""
+    for name in names:
+        fd = open_regular(dir_fd, name, os.O_RDONLY)
+        if fd is None:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+        finally:
+            os.close(fd)
+
+
+class Companions:
+    """The companions one worker process holds of its instance's entries
+    (:data:`COMPANION_INFIX`), each locked until the worker exits. A child
+    the worker forks closes its copies (``os.register_at_fork``), so that it
+    keeps no dead instance counted."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, str], tuple[int, int, str]] = {}
+        """By (ledger folder, entry name): the folder's descriptor, the
+        companion's (holding its lock) and its name."""
+        ref = weakref.ref(self)
+
+        def after_in_child() -> None:
+            found = ref()
+            if found is not None:
+                found.forget()
+
+        os.register_at_fork(after_in_child=after_in_child)
+
+    def hold(self, folder: str, key: str, entry: str, rank: int) -> bool:
+        """Create and lock ``<entry>.w<rank>`` beside ``entry`` in the ledger
+        of device ``key`` in the lock folder ``folder``; whether it is held
+        (now or already). False, and nothing created, when ``entry`` is not
+        an entry's name or not in that folder (a worker on another host)."""
+        path = os.path.join(folder, folder_name(key))
+        if (path, entry) in self.held:
+            return True
+        if not _ENTRY_NAME.fullmatch(entry) or not os.path.isfile(os.path.join(path, entry)):
+            return False
+        top = open_lock_folder(folder)
+        try:
+            dir_fd = open_folder(folder_name(key), path, "budget folder", LOCK_DIR_ADVICE, dir_fd=top)
+        finally:
+            os.close(top)
+        name = f"{entry}{COMPANION_INFIX}{int(rank)}"
+        fd = None
+        try:
+            fd = open_regular(dir_fd, name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except FileExistsError:
+            logger.warning(
+                "The shared KV cache budget's ledger entry companion %s exists already (not this worker's); "
+                "if this instance's engine core dies before this worker, its entry may go before this "
+                "worker's memory does.",
+                os.path.join(path, name),
+            )
+        except BaseException:
+            for opened in (fd, dir_fd):
+                if opened is not None:
+                    os.close(opened)
+            raise
+        if fd is None:
+            os.close(dir_fd)
+            return False
+        self.held[(path, entry)] = (dir_fd, fd, name)
+        return True
+
+    def forget(self) -> None:
+        """Close the descriptors without unlocking (in a forked child: the
+        lock is on the description the worker shares)."""
+        for dir_fd, fd, _ in self.held.values():
+            for opened in (fd, dir_fd):
+                with contextlib.suppress(OSError):
+                    os.close(opened)
+        self.held.clear()
+
+    def close(self) -> None:
+        """Remove the companions and drop their locks (the worker's memory is gone)."""
+        for dir_fd, fd, name in self.held.values():
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+            for opened in (fd, dir_fd):
+                with contextlib.suppress(OSError):
+                    os.close(opened)
+        self.held.clear()
 
 
 def others_in(views: list[View]) -> list[dict[str, Any]]:

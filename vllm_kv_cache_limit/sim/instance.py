@@ -176,6 +176,7 @@ class SimExecutor:
             "kv_cache_limit_pages": 0,
             "kv_cache_limit_chunk_blocks": 1,
             "kv_cache_limit_committable": -1,
+            "kv_cache_limit_hold_entries": 0,  # no worker process: the entries go with the engine core
         }
         if method not in answers:
             raise NotImplementedError(f"the simulated executor has no answer for {method}{args}")

@@ -240,6 +240,7 @@ def start_autoscaling(self: Any, reservation: shared_budget.Reservation | None =
             committed=functools.partial(_held, limit),
             reservation=reservation,
         )
+        _hold_in_workers(self, scaler)
     state = EngineCoreState.of(self)
     state.autoscaler = scaler
     logger.info(
@@ -263,6 +264,27 @@ def start_autoscaling(self: Any, reservation: shared_budget.Reservation | None =
     else:  # in the caller's process: it steps only while the caller calls it
         state.lock = threading.RLock()
         wakeups.start_deciding(scaler, state.lock, functools.partial(_decide_between_calls, self))
+
+
+def _hold_in_workers(engine_core: Any, scaler: Autoscaler) -> None:
+    """Have each worker hold a companion of this instance's ledger entries
+    (``WorkerBase.kv_cache_limit_hold_entries``): an engine core killed
+    before its workers (a SIGKILL of the process group) then leaves the
+    entries counted until the workers, and their memory, are gone. Not
+    fatal: without them, the entries go with the engine core."""
+    entries = [(ledger.folder, ledger.key, ledger.entry_name) for ledger in scaler.ledgers if ledger.entry_name]
+    if not entries:
+        return
+    try:
+        held = engine_core.model_executor.collective_rpc("kv_cache_limit_hold_entries", args=(entries,))
+    except Exception as exc:
+        logger.warning(
+            "KV cache autoscale: the workers could not hold companions of this instance's ledger entries (%r); "
+            "if the engine core dies before its workers, its entries go before their memory does.",
+            exc,
+        )
+        return
+    logger.debug("KV cache autoscale: the workers hold %s companions of the ledger entries %s.", held, entries)
 
 
 def _held(limit: RuntimeLimit) -> int:

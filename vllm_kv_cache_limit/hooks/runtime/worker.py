@@ -16,6 +16,7 @@ from vllm_kv_cache_limit.hooks.runtime import extensible_kv_cache
 from vllm_kv_cache_limit.hooks.runtime.availability import RESIZE_REMOVE, RESIZE_UPSTREAM, optional
 from vllm_kv_cache_limit.hooks.worker_state import WorkerState
 from vllm_kv_cache_limit.logic import limit_math
+from vllm_kv_cache_limit.logic.budget_ledger import Companions
 from vllm_kv_cache_limit.logic.kv_cache import (
     MADV_DONTNEED,
     MADV_FREE,
@@ -33,13 +34,16 @@ logger = init_logger("vllm.plugins.kv_cache_limit")
 def patch(module: Any) -> None:
     """Why: the engine core decides, the workers hold the memory; vLLM's
     ``collective_rpc(name)`` calls a worker method by name. How: adds
-    ``WorkerBase.kv_cache_limit_pages``."""
+    ``WorkerBase.kv_cache_limit_pages`` (and the methods the engine core
+    calls beside it: the allocation, the chunk, the committable blocks, the
+    companions of its ledger entries)."""
 
     def apply() -> None:
         module.WorkerBase.kv_cache_limit_pages = kv_cache_limit_pages
         module.WorkerBase.kv_cache_limit_allocated = worker_kv_cache_bytes
         module.WorkerBase.kv_cache_limit_chunk_blocks = kv_cache_limit_chunk_blocks
         module.WorkerBase.kv_cache_limit_committable = kv_cache_limit_committable
+        module.WorkerBase.kv_cache_limit_hold_entries = kv_cache_limit_hold_entries
 
     optional(WORKER_BASE, apply)
 
@@ -63,6 +67,29 @@ def kv_cache_limit_committable(self: Any) -> int:
     committed: no extensible KV cache, or one not mapped in chunks)."""
     kv_cache = _extensible_cache(self)
     return -1 if kv_cache is None else extensible_kv_cache.committable(kv_cache)
+
+
+def kv_cache_limit_hold_entries(self: Any, entries: list[tuple[str, str, str]]) -> int:
+    """Hold a companion of each of the instance's ledger entries (lock
+    folder, device key, entry name) for as long as this worker lives
+    (``budget_ledger.Companions``): an engine core killed before its
+    workers then leaves their memory counted until they exit. How many this
+    worker holds; one it cannot create is logged, and does not stop it."""
+    state = WorkerState.of(self)
+    if state.companions is None:
+        state.companions = Companions()
+    rank = int(getattr(self, "rank", 0) or 0)
+    for folder, key, entry in entries:
+        try:
+            state.companions.hold(str(folder), str(key), str(entry), rank)
+        except OSError as exc:  # a link planted in its place, a folder refused
+            logger.warning(
+                "KV cache autoscale: this worker could not hold a companion of its ledger entry %s (%s); if the "
+                "engine core dies before this worker, the entry may go before this worker's memory does.",
+                entry,
+                exc,
+            )
+    return len(state.companions.held)
 
 
 def kv_cache_limit_pages(self: Any, keep: int, num_blocks: int, release: bool, lazy: bool = False) -> int:
