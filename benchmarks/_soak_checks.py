@@ -18,10 +18,14 @@ time, its values and the fault in progress:
 (c) no request of an instance that was not itself killed or stopped fails
     or takes longer than ``request_s``;
 (d) a killed instance's entry is counted by nobody (the ledger and every
-    survivor's ``others``) within ``freed_s`` of its death;
+    survivor's ``others``) within ``freed_s`` of the exit of the last of
+    its processes (seen by a reading: a second's resolution);
 (e) a restarted instance serves and holds an entry within ``join_s``;
 (f) no log of one episode (one start of one instance) has more than one
-    traceback.
+    traceback;
+(g) a killed instance's entry is counted while one of its workers (the
+    processes that hold its KV cache: its engine core's children) runs:
+    the ledger never says less than the memory still held.
 """
 
 from __future__ import annotations
@@ -130,6 +134,23 @@ class Reading:
     """The ledger read just before the statuses (``ledger`` just after): a
     hold that fell between them is compared at its old value, as the
     status may show the limit before the fall."""
+    running: set[int] | None = None
+    """Of the killed processes the checker waits on (``Checker.awaited``),
+    those that have not exited; None: not read (then they count as exited
+    at their kill)."""
+
+
+@dataclass
+class Killed:
+    """A kill the checker follows until the instance's entry goes: (d) and (g)."""
+
+    t: float
+    name: str
+    pids: set[int]
+    workers: set[int]
+    """The processes of ``pids`` that hold the KV cache."""
+    exited: float | None = None
+    """The first reading that found every one of ``pids`` exited."""
 
 
 def looped(
@@ -174,6 +195,28 @@ def label_pid(label: Any) -> int | None:
         return int(str(label).rsplit(" pid ", 1)[1])
     except (IndexError, ValueError):
         return None
+
+
+def workers_of(pid: int) -> set[int]:
+    """The workers of the engine core ``pid``: its children, less Python's
+    multiprocessing resource tracker (it holds no KV cache)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                found |= {int(child) for child in (task / "children").read_text().split()}
+    return {
+        child
+        for child in found
+        if b"resource_tracker" not in _read_bytes(Path(f"/proc/{child}/cmdline")) and proc_state(child) is not None
+    }
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
 
 
 def group_pids(pgid: int) -> set[int]:
@@ -329,7 +372,8 @@ def resident(pid: int) -> int | None:
     exited and another thread still runs (read from that thread: the main
     thread's own ``/proc`` files show no memory then); None once none can
     be read."""
-    for path in (Path(f"/proc/{pid}"), *sorted(Path(f"/proc/{pid}/task").glob("*"))):
+    threads = [t for t in sorted(Path(f"/proc/{pid}/task").glob("*")) if t.name != str(pid)]  # the main one first
+    for path in (Path(f"/proc/{pid}"), *threads):
         mem = memory_at(path)
         if mem and "Rss" in mem:
             return mem["Rss"]
@@ -354,28 +398,36 @@ def read_ledger(lock_dir: Path, wait_s: float = 0.5) -> tuple[list[dict[str, Any
                 except BlockingIOError:
                     time.sleep(0.02)
             locked &= held
-            for path in sorted(folder.glob("*" + budget_ledger.ENTRY_SUFFIX)):
-                with contextlib.suppress(OSError):
-                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-                    try:
-                        try:
-                            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                            continue  # no live owner
-                        except BlockingIOError:
-                            pass
-                        record = budget_ledger._read(fd)
-                        written = os.fstat(fd).st_mtime_ns
-                    except ValueError:
-                        continue
-                    finally:
-                        os.close(fd)
-                    if budget_ledger.record_problem(record) is None:
-                        entries.append(
-                            {**record, "pid": label_pid(record.get("label")), "file": path.name, "written_ns": written}
-                        )
+            dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                entries += _live_entries(folder, dir_fd)
+            finally:
+                os.close(dir_fd)
         finally:
             os.close(lock)  # drops the lock
     return entries, locked
+
+
+def _live_entries(folder: Path, dir_fd: int) -> list[dict[str, Any]]:
+    """The entries of the ledger ``folder`` (open on ``dir_fd``) whose
+    engine core or one of whose workers lives (``budget_ledger.held``)."""
+    entries = []
+    names = os.listdir(dir_fd)
+    for name in sorted(n for n in names if n.endswith(budget_ledger.ENTRY_SUFFIX)):
+        with contextlib.suppress(OSError):
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+            try:
+                if not budget_ledger.held(dir_fd, name, fd, names):
+                    continue  # no live owner
+                record = budget_ledger._read(fd)
+                written = os.fstat(fd).st_mtime_ns
+            except ValueError:
+                continue
+            finally:
+                os.close(fd)
+            if budget_ledger.record_problem(record) is None:
+                entries.append({**record, "pid": label_pid(record.get("label")), "file": name, "written_ns": written})
+    return entries
 
 
 class Checker:
@@ -395,7 +447,7 @@ class Checker:
         }
         self.windows: dict[str, list[list[float]]] = {}
         """Per instance, the spans its own requests are excused (a fault on it, until it is up again)."""
-        self.freeing: dict[int, tuple[float, str]] = {}
+        self.dying: list[Killed] = []
         self.joining: dict[str, float] = {}
         self.episodes: dict[str, int] = {}
         self.slowest: dict[str, Any] = {}
@@ -418,10 +470,15 @@ class Checker:
             if window[1] == float("inf"):
                 window[1] = t + self.bounds.grace_s
 
-    def killed(self, pids: set[int], t: float, name: str) -> None:
-        """The processes ``pids`` of ``name`` died at ``t``: their entries must go within ``freed_s``."""
-        for pid in pids:
-            self.freeing[pid] = (t, name)
+    def killed(self, pids: set[int], t: float, name: str, workers: set[int] | None = None) -> None:
+        """The processes ``pids`` of ``name`` were killed at ``t``: their
+        entries must go within ``freed_s`` of the last one's exit (d), and
+        not while one of ``workers`` runs (g)."""
+        self.dying.append(Killed(t, name, set(pids), set(workers or ())))
+
+    def awaited(self) -> set[int]:
+        """The killed processes whose exits the next reading should say (``Reading.running``)."""
+        return {pid for k in self.dying for pid in k.pids}
 
     def restarting(self, name: str, t: float) -> None:
         self.joining[name] = t
@@ -474,16 +531,29 @@ class Checker:
             others = ((inst.status or {}).get("autoscale") or {}).get("others") or []
             if inst.state == "up":
                 counted |= {label_pid(o.get("label")) for o in others if isinstance(o, dict)}
-        for pid, (since, name) in list(self.freeing.items()):
-            took = r.t - since
-            if pid not in counted:
-                self.worst["freed_s"] = max(self.worst["freed_s"], took)
-                del self.freeing[pid]
-            elif took > self.bounds.freed_s:
+        for k in list(self.dying):
+            running = k.pids & r.running if r.running is not None else set()
+            if k.exited is None and not running:
+                k.exited = r.t if r.running is not None else k.t
+            still = sorted(k.pids & counted)
+            if not still:
+                if k.workers & running:
+                    self.violate(
+                        r.t, "g", instance=k.name, running=sorted(k.workers & running), since_kill_s=round(r.t - k.t, 1)
+                    )
+                self.worst["freed_s"] = max(self.worst["freed_s"], 0.0 if k.exited is None else r.t - k.exited)
+                self.dying.remove(k)
+            elif k.exited is not None and r.t - k.exited > self.bounds.freed_s:
                 self.violate(
-                    r.t, "d", instance=name, pid=pid, counted_for_s=round(took, 1), bound_s=self.bounds.freed_s
+                    r.t,
+                    "d",
+                    instance=k.name,
+                    pid=still[0],
+                    counted_for_s=round(r.t - k.t, 1),
+                    after_exit_s=round(r.t - k.exited, 1),
+                    bound_s=self.bounds.freed_s,
                 )
-                del self.freeing[pid]
+                self.dying.remove(k)
 
     def _joined(self, r: Reading, by_pid: dict[int, dict[str, Any]]) -> None:
         for name, since in list(self.joining.items()):
@@ -525,11 +595,11 @@ class Checker:
 
     def finish(self, t: float) -> None:
         """At the end: entries never freed and joins never made are violations."""
-        for pid, (since, name) in self.freeing.items():
-            self.violate(t, "d", instance=name, pid=pid, counted_for_s=round(t - since, 1), bound_s=self.bounds.freed_s)
+        for k in self.dying:
+            self.violate(t, "d", instance=k.name, pids=sorted(k.pids), counted_for_s=round(t - k.t, 1), exited=k.exited)
         for name, since in self.joining.items():
             self.violate(t, "e", instance=name, waited_s=round(t - since, 1), bound_s=self.bounds.join_s)
-        self.freeing.clear()
+        self.dying.clear()
         self.joining.clear()
 
     def summary(self) -> dict[str, Any]:

@@ -60,6 +60,13 @@ TRACES = {"a": ("conv", 0.0), "b": ("code", 0.0), "c": ("conv", 30.0)}
 SHUTDOWN_S = 60
 """A server's ``--shutdown-timeout``: its requests in flight may finish
 within the bound of (c) when the soak stops it."""
+START_WAIT_FACTOR = 2.0
+"""How long the soak waits for a server to serve, in (e)'s bounds
+(``--join-s``): a start past the bound is a violation of (e) that the
+checker records, but the start goes on (``starting``, its reservation
+allowed by (a)) up to this many bounds, so that a slow start does not
+turn into an instance marked down while its start-up runs. One that does
+not serve by then is ended, and stays down."""
 WHOLE = {"start_min": 0.0, "minutes": 24 * 60.0, "speed": 1.0}
 """The window of ``load_trace`` that reads a whole trace at its own speed."""
 
@@ -87,11 +94,12 @@ class Runner:
         env = c.bench_env(
             True, VLLM_KV_CACHE_LIMIT_LOCK_DIR=str(self.lock_dir), VLLM_CPU_OMP_THREADS_BIND=str(self.cpu)
         )
-        cm = api_servers(
-            {self.tag: (server_args(self.args, self.model, *extra), env)}, c.RESULTS_DIR, self.args.join_s, c.REPO
-        )
+        wait_s = self.args.join_s * START_WAIT_FACTOR
+        cm = api_servers({self.tag: (server_args(self.args, self.model, *extra), env)}, c.RESULTS_DIR, wait_s, c.REPO)
         server = cm.__enter__()[self.tag]
         self.cm, self.server = cm, server
+        if server.ready_s is None:  # exited, or still starting past the wait: ended, so "down" holds nothing
+            self.stop(wait_s=10.0)
         self.state = "up" if server.ready_s is not None else "down"
         return server
 
@@ -160,7 +168,7 @@ class Soak:
                             runner.name,
                             round(sent, 2),
                             round(ended - sent, 2),
-                            found.get("ttft"),
+                            None if found.get("ttft") is None else round(found["ttft"], 3),
                             p,
                             m,
                             found.get("error"),
@@ -180,12 +188,17 @@ class Soak:
                 statuses[name] = requests.get(base + ROUTE, timeout=2).json() if base else None
         ledger, locked = checks.read_ledger(self.lock_dir)
         self.unlocked_reads += not locked
+        # After the ledger: a worker seen running now ran when the ledger was read (g).
+        with self.lock:
+            awaited = self.checker.awaited()
+        running = {pid for pid in awaited if not checks.exited(checks.proc_state(pid) or "gone")}
         instances = {}
         for n, r in self.runners.items():  # its pids before its state: a stop begun in between shows as "stopping"
             pids = r.pids()
             instances[n] = checks.Instance(r.state, r.cap, pids, statuses.get(n))
         with self.lock:
-            self.checker.sample(checks.Reading(self.now(), self.budget, ledger, instances, self.fault, before))
+            reading = checks.Reading(self.now(), self.budget, ledger, instances, self.fault, before, running)
+            self.checker.sample(reading)
             for runner in self.runners.values():
                 if runner.server is not None:  # by its log's episode (a start in progress has no log yet)
                     self.checker.tracebacks(
@@ -195,19 +208,20 @@ class Soak:
         row: dict[str, Any] = {"t_s": round(self.now(), 1), "fault": self.fault, "held": [e["holds"] for e in ledger]}
         row["busy"] = list(checks.busy(ticks, self.ticks).values())  # per CPU, since the last reading
         for name, inst in instances.items():
-            scale = ((inst.status or {}).get("autoscale")) or {}
+            status = inst.status or {}
+            scale = status.get("autoscale") or {}
             # The KV cache is in the worker: not the API server, not the engine core (the entry's pid).
             workers = inst.pids - {self.runners[name].server.pid} - {e["pid"] for e in ledger}
             mems = [m for m in map(checks.memory, workers) if m]
             mem = max(mems, key=lambda m: m.get("Rss", 0), default=None)
             row[name] = {
                 "state": inst.state,
-                "limit": (inst.status or {}).get("kv_cache_limit_bytes"),
+                "limit": status.get("kv_cache_limit_bytes"),
                 "held": scale.get("held_bytes"),
                 "rss": mem and mem.get("Rss"),
                 "lazyfree": mem and mem.get("LazyFree"),
-                "running": (inst.status or {}).get("num_requests_running"),
-                "waiting": (inst.status or {}).get("num_requests_waiting"),
+                "running": status.get("num_requests_running"),
+                "waiting": status.get("num_requests_waiting"),
                 "demand": scale.get("demand_blocks"),
                 "cpu_s": round(checks.cpu_seconds(inst.pids), 2),  # all its processes, so far
             }
@@ -246,17 +260,19 @@ class Soak:
         if kind in ("kill", "api_kill"):  # before its processes die: no reading sees it "up" without them
             runner.state = "stopping"
         if kind == "kill":
-            pids = runner.pids()
+            pids, workers = runner.pids(), self.workers(runner)
             os.killpg(runner.server.pid, signal.SIGKILL)
-            self.checker.killed(pids, t, runner.name)
+            with self.lock:
+                self.checker.killed(pids, t, runner.name, workers)
             watch = self.watch_exits(fault, pids)
             runner.stop()
             watch.join()
             self.restart(runner)
         elif kind == "api_kill":
-            pids = runner.pids()
+            pids, workers = runner.pids(), self.workers(runner)
             os.kill(runner.server.pid, signal.SIGKILL)
-            self.checker.killed(pids, t, runner.name)
+            with self.lock:
+                self.checker.killed(pids, t, runner.name, workers)
             watch = self.watch_exits(fault, pids)
             left = checks.wait_gone(runner.server.pid, self.args.freed_s)
             if left:
@@ -266,11 +282,12 @@ class Soak:
             watch.join()
             self.restart(runner)
         elif kind == "stop":
+            before = runner.state  # "down" after a start that never served: then killpg fails, nothing changed
             os.killpg(runner.server.pid, signal.SIGSTOP)
             runner.state = "stopped"
             self.done.wait(fault.hold_s)
             os.killpg(runner.server.pid, signal.SIGCONT)
-            runner.state = "up"
+            runner.state = before
             self.checker.back(runner.name, self.now())
         elif kind == "lock":
             holders = [
@@ -300,6 +317,13 @@ class Soak:
                 )
             runner.stop()
             self.restart(runner)
+
+    def workers(self, runner: Runner) -> set[int]:
+        """The processes of ``runner`` that hold its KV cache: the workers
+        of its engine core (the process of its ledger entry)."""
+        pids = runner.pids()
+        cores = {e["pid"] for e in checks.read_ledger(self.lock_dir)[0]} & pids
+        return {worker for core in cores for worker in checks.workers_of(core)} & pids
 
     def watch_exits(self, fault: checks.Fault, pids: set[int]) -> threading.Thread:
         """Watch the killed ``pids`` die (``checks.watch_exits``, bounded
@@ -455,7 +479,7 @@ def main() -> None:
             soak.done.wait(args.minutes * 60)
             soak.done.set()
             for thread in threads:
-                thread.join(timeout=args.join_s + 120)  # a fault in progress ends (a restart joins)
+                thread.join(timeout=args.join_s * START_WAIT_FACTOR + 120)  # a fault in progress ends (a restart)
             deadline = time.monotonic() + args.request_s + 30
             for thread in inflight:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))

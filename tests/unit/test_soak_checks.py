@@ -41,8 +41,16 @@ def entry(pid: int, holds: int) -> dict:
     return {"label": f"host pid {pid}", "pid": pid, "holds": holds, "budget": 16 * MIB}
 
 
-def reading(t: float, holds: dict[int, int], limits: dict[int, int], states: dict[int, str] | None = None, **kw):
-    """Instances a, b, c with engine cores 101, 102, 103."""
+def reading(
+    t: float,
+    holds: dict[int, int],
+    limits: dict[int, int],
+    states: dict[int, str] | None = None,
+    running: set[int] | None = None,
+    **kw,
+):
+    """Instances a, b, c with engine cores 101, 102, 103; ``running``: the
+    killed processes not exited yet (``Reading.running``)."""
     states = states or {}
     instances = {}
     for pid, name in ((101, "a"), (102, "b"), (103, "c")):
@@ -51,7 +59,7 @@ def reading(t: float, holds: dict[int, int], limits: dict[int, int], states: dic
             state, 16 * MIB, {pid, pid + 1000} if state != "down" else set(), status(limits.get(pid, 0), **kw)
         )
     ledger = [entry(pid, h) for pid, h in holds.items()]
-    return checks.Reading(t, 16 * MIB, ledger, instances, None)
+    return checks.Reading(t, 16 * MIB, ledger, instances, None, running=running)
 
 
 def clean_series(checker) -> None:
@@ -154,6 +162,32 @@ def test_a_killed_share_must_be_freed_within_the_bound() -> None:
     assert [(v["invariant"], v["pid"]) for v in checker.violations] == [("d", 101)]
 
 
+def test_a_killed_share_is_timed_from_its_processes_exit_and_counted_while_a_worker_runs() -> None:
+    """(d) from the exit of the last killed process (a worker that takes
+    12 s to exit keeps the entry rightly); (g) an entry gone while one of
+    the instance's workers runs is a violation, the API server's own exit
+    is not waited for by (g)."""
+    checker = checks.Checker(checks.Bounds(freed_s=10.0))
+    checker.killed({1100, 101, 1101}, 0.0, "a", workers={1101})  # API server, engine core, worker
+    assert checker.awaited() == {1100, 101, 1101}
+    for t in (1.0, 6.0, 12.0):  # the worker exits at 12.5 s: the entry rightly stays
+        checker.sample(reading(t, {101: 4 * MIB, 102: 4 * MIB}, {}, {101: "down"}, running={1101}))
+    checker.sample(reading(13.0, {101: 4 * MIB, 102: 4 * MIB}, {}, {101: "down"}, running=set()))
+    checker.sample(reading(20.0, {102: 4 * MIB}, {}, {101: "down"}, running=set()))
+    assert checker.violations == [] and checker.summary()["worst"]["freed_s"] == 7.0
+    assert checker.awaited() == set()
+    # Gone while its worker runs: (g); an entry that stays 10 s after every exit: (d).
+    checker.killed({1100, 101, 1101}, 30.0, "a", workers={1101})
+    checker.sample(reading(31.0, {102: 4 * MIB}, {}, {101: "down"}, running={1100, 1101}))
+    checker.killed({1100, 101, 1101}, 40.0, "a", workers={1101})
+    checker.sample(reading(41.0, {101: 4 * MIB, 102: 4 * MIB}, {}, {101: "down"}, running={1100}))
+    checker.sample(reading(42.0, {101: 4 * MIB, 102: 4 * MIB}, {}, {101: "down"}, running=set()))
+    checker.sample(reading(52.5, {101: 4 * MIB, 102: 4 * MIB}, {}, {101: "down"}, running=set()))
+    found = [(v["invariant"], v["t_s"]) for v in checker.violations]
+    assert found == [("g", 31.0), ("d", 52.5)], checker.violations
+    assert checker.violations[0]["running"] == [1101] and checker.violations[1]["after_exit_s"] == 10.5
+
+
 def test_a_restart_must_join_within_the_bound() -> None:
     checker = checks.Checker(checks.Bounds(join_s=60.0))
     checker.restarting("a", 0.0)
@@ -214,24 +248,30 @@ def test_read_ledger_counts_live_valid_entries_and_waits_for_the_lock_with_a_bou
         "live.entry": {"budget": 16 * MIB, "floor": MIB, "holds": 3 * MIB, "wants": 3 * MIB, "label": "h pid 42"},
         "dead.entry": {"budget": 16 * MIB, "floor": MIB, "holds": 5 * MIB, "wants": 5 * MIB, "label": "h pid 43"},
         "planted.entry": {"budget": 0, "floor": MIB, "holds": "lots", "wants": 0},
+        "orphan.entry": {"budget": 16 * MIB, "floor": MIB, "holds": 7 * MIB, "wants": 0, "label": "h pid 44"},
     }
     held = []
     for name, record in records.items():
         (folder / name).write_text(json.dumps(record))
-        if name != "dead.entry":  # its owner is gone: nobody holds its lock
-            fd = os.open(folder / name, os.O_RDONLY)
+        # dead: its owner is gone, nobody holds its lock; orphan: its engine
+        # core is gone, a worker holds a companion (budget_ledger.Companions).
+        path = folder / (name if name not in ("dead.entry", "orphan.entry") else f"{name}.w0")
+        if name != "dead.entry":
+            path.touch()
+            fd = os.open(path, os.O_RDONLY)
             fcntl.flock(fd, fcntl.LOCK_EX)
             held.append(fd)
+    (folder / "dead.entry.w0").touch()  # its worker gone too
     try:
         entries, locked = checks.read_ledger(tmp_path)
-        assert locked and [(e["holds"], e["pid"]) for e in entries] == [(3 * MIB, 42)]
+        assert locked and [(e["holds"], e["pid"]) for e in entries] == [(3 * MIB, 42), (7 * MIB, 44)]
         assert entries[0]["written_ns"] == (folder / "live.entry").stat().st_mtime_ns
         lock = os.open(folder / "ledger.lock", os.O_RDONLY)
         fcntl.flock(lock, fcntl.LOCK_EX)  # held from outside
         held.append(lock)
         began = time.monotonic()
         entries, locked = checks.read_ledger(tmp_path, wait_s=0.2)
-        assert not locked and [e["pid"] for e in entries] == [42]
+        assert not locked and [e["pid"] for e in entries] == [42, 44]
         assert time.monotonic() - began < 5
     finally:
         for fd in held:
@@ -382,3 +422,40 @@ def test_the_busiest_traces_go_to_different_cpus() -> None:
     assert checks.place({"x": 1.0, "y": 1.0}, [3]) == {"x": 3, "y": 3}
     with pytest.raises(ValueError, match="no CPU"):
         checks.place(loads, [])
+
+
+def test_the_workers_of_an_engine_core_are_its_children_less_the_resource_tracker() -> None:
+    """A process that spawns a child with multiprocessing (which starts
+    Python's resource tracker beside it, as vLLM's engine core does): its
+    workers are that child alone."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import multiprocessing as mp, sys, time\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = mp.get_context('spawn')\n"
+        "    ctx.Semaphore(1)  # a named semaphore: the resource tracker starts\n"
+        "    child = ctx.Process(target=time.sleep, args=(60,), daemon=True)\n"
+        "    child.start()\n"
+        "    print(child.pid, flush=True)\n"
+        "    sys.stdin.readline()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = -1
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        children = {int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()}
+        assert len(children) == 2 and child in children, children  # the premise: the tracker is a child too
+        assert checks.workers_of(proc.pid) == {child}
+        assert checks.workers_of(child) == set()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        if child > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
