@@ -77,6 +77,8 @@ class _Workers:
         if method == "kv_cache_limit_pages":
             self.pages_calls.append(tuple(args))
             return [WorkerBase.kv_cache_limit_pages(self.worker, *args)]
+        if method == "kv_cache_limit_hold_entries":  # the worker is this process: the entries go with it
+            return [0]
         raise AssertionError(f"unexpected worker call {method}{args}")
 
     def execute_model(self, scheduler_output: Any, non_block: bool = False):

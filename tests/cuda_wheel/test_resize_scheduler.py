@@ -92,6 +92,8 @@ class _Workers:
             return [1]
         if method == "kv_cache_limit_committable":  # nothing committed for a limit: no bound
             return [-1]
+        if method == "kv_cache_limit_hold_entries":  # no worker process: the entries go with the engine core
+            return [0]
         raise AssertionError(f"the plugin made an unexpected worker call: {method}{args}")
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> Future:

@@ -72,6 +72,7 @@ class _Workers:
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs: Any = None) -> list:
         answers = {"kv_cache_limit_allocated": NUM_BLOCKS * BPB, "kv_cache_limit_pages": 0}
+        answers["kv_cache_limit_hold_entries"] = 0  # no worker process: the entries go with the engine core
         if method not in answers:
             raise AssertionError(f"the plugin made an unexpected worker call: {method}{args}")
         return [answers[method]]
