@@ -442,6 +442,7 @@ class Checker:
             "committed_over_hold_bytes": float("-inf"),
             "request_s": 0.0,
             "freed_s": 0.0,
+            "freed_after_kill_s": 0.0,
             "join_s": 0.0,
             "tracebacks_per_episode": 0,
         }
@@ -542,6 +543,7 @@ class Checker:
                         r.t, "g", instance=k.name, running=sorted(k.workers & running), since_kill_s=round(r.t - k.t, 1)
                     )
                 self.worst["freed_s"] = max(self.worst["freed_s"], 0.0 if k.exited is None else r.t - k.exited)
+                self.worst["freed_after_kill_s"] = max(self.worst["freed_after_kill_s"], r.t - k.t)
                 self.dying.remove(k)
             elif k.exited is not None and r.t - k.exited > self.bounds.freed_s:
                 self.violate(

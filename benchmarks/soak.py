@@ -412,7 +412,12 @@ def main() -> None:
     parser.add_argument("--interval", type=float, nargs=2, default=(40.0, 80.0), help="s between faults (40 80)")
     parser.add_argument("--budget", default="8M", help="the shared budget, and each instance's cap (default 8M)")
     parser.add_argument("--request-s", type=float, default=60.0, help="bound (c) on a request (s, default 60)")
-    parser.add_argument("--freed-s", type=float, default=10.0, help="bound (d) on freeing a share (s, default 10)")
+    parser.add_argument(
+        "--freed-s",
+        type=float,
+        default=10.0,
+        help="bound (d) on freeing a killed share, from its last process's exit (s, default 10)",
+    )
     parser.add_argument("--join-s", type=float, default=300.0, help="bound (e) on a restart (s, default 300)")
     parser.add_argument("--tmpfs-size", default="4m", help="size of the lock folder's tmpfs, for fill (default 4m)")
     parser.add_argument("--trace-dir", type=Path, default=c.REPO / "vllm_kv_cache_limit" / "sim" / "traces")
