@@ -615,21 +615,24 @@ def live_ledger_entries(locks: Path, ledgers: str = "budget-*") -> int:
     """Ledger entries whose lock a live process holds, read as an outside
     reader would: an entry it can lock has no live owner. ``ledgers``: the
     ledger folders counted (a pattern; by default every device's)."""
+    return sum(locked(entry) for entry in locks.glob(f"{ledgers}/*.entry"))
+
+
+def locked(path: Path) -> bool:
+    """Whether a live process holds the lock of ``path`` (False once it is gone)."""
     import fcntl
 
-    live = 0
-    for entry in locks.glob(f"{ledgers}/*.entry"):
-        try:
-            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            live += 1
-        finally:
-            os.close(fd)
-    return live
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def locked_ledger_holds(locks: Path) -> list[list[int]]:

@@ -31,7 +31,7 @@ import pytest
 import requests
 
 from tests.e2e.conftest import api_servers, budget_server_args, engine_env
-from tests.helpers import CompletionLoad, Periodic, ledger_holds, live_ledger_entries, metric
+from tests.helpers import CompletionLoad, Periodic, ledger_holds, live_ledger_entries, locked, metric
 from vllm_kv_cache_limit.logic.sizes import parse_size
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.smoke]  # autoscaling is the plugin's; every CPU build
@@ -352,7 +352,7 @@ def test_killed_instance_gives_its_share_back(pair: dict[str, Any]) -> None:
     entries = sorted(p.name for p in pair["locks"].glob("budget-*/*.entry"))
     companions = sorted(pair["locks"].glob("budget-*/*.entry.w*"))
     assert len(entries) == 2 and sorted(c.name.rpartition(".w")[0] for c in companions) == entries, companions
-    assert all(_locked(c) for c in companions), companions
+    assert all(locked(c) for c in companions), companions
     pgid = _server_pgid(base_b)
     os.killpg(pgid, signal.SIGKILL)
     wait_for(lambda: _gone(pgid), "B's processes to go", 60)
@@ -366,20 +366,6 @@ def test_killed_instance_gives_its_share_back(pair: dict[str, Any]) -> None:
     (left,) = pair["locks"].glob("budget-*/*.entry")
     # B's entry and its worker's companion went together; A's are there.
     assert [c.name for c in pair["locks"].glob("budget-*/*.entry.w*")] == [f"{left.name}.w0"]
-
-
-def _locked(path: Path) -> bool:
-    """Whether a live process holds ``path``'s lock."""
-    import fcntl
-
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def _server_pgid(base: str) -> int:

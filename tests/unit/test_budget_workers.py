@@ -11,6 +11,7 @@ vLLM's are) that forks a child of its own."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -21,19 +22,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_budget_fork import KEY, RECORD, REPO, alive, others
 from vllm_kv_cache_limit.logic.budget_ledger import COMPANION_INFIX, ENTRY_SUFFIX, Companions, Ledger, folder_name
-
-REPO = Path(__file__).resolve().parents[2]
-KEY = "cpu-node0"
-RECORD = {"budget": 1000, "floor": 7, "holds": 123, "wants": 0}
 
 ENGINE_CORE = textwrap.dedent(
     """
-    import os, sys
+    import json, os, sys
     from vllm_kv_cache_limit.logic.budget_ledger import Ledger
     ledger = Ledger(sys.argv[1], sys.argv[2], label="owner")
-    with ledger.transaction() as view:
-        view.write({"budget": 1000, "floor": 7, "holds": 123, "wants": 0})
+    with ledger.transaction() as view:  # the record of RECORD, in argv[3]
+        view.write(json.loads(sys.argv[3]))
     print(ledger.entry_name, flush=True)
     sys.stdin.readline()
     os._exit(0)  # dies without leaving the ledger, as after a SIGKILL: only the kernel drops its lock
@@ -58,20 +56,6 @@ WORKER = textwrap.dedent(
     os._exit(0)
     """
 )
-
-
-def others(ledger: Ledger) -> list[dict]:
-    with ledger.transaction() as view:
-        return view.others
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not: it holds no file)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def spawn(code: str, *args: str) -> subprocess.Popen[str]:
@@ -100,7 +84,7 @@ def instance(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], subprocess
     procs: list[subprocess.Popen[str]] = []
     child = -1
     try:
-        procs.append(spawn(ENGINE_CORE, str(tmp_path), KEY))
+        procs.append(spawn(ENGINE_CORE, str(tmp_path), KEY, json.dumps(RECORD)))
         assert procs[0].stdout is not None
         name = procs[0].stdout.readline().strip()
         assert name.endswith(ENTRY_SUFFIX), name

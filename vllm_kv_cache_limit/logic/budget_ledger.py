@@ -292,10 +292,10 @@ class Ledger:
         self.lock_fd = self.dir_fd = -1
 
 
-def _forget_in_forked_children(ledger: Ledger) -> None:
-    """Have a child forked while ``ledger`` lives close its descriptors
-    (``Ledger.forget``): the registration holds the ledger weakly, so it
-    keeps nothing alive and does nothing once the ledger is gone."""
+def _forget_in_forked_children(ledger: Ledger | Companions) -> None:
+    """Have a child forked while ``ledger`` (or a worker's companions)
+    lives close its descriptors (``forget``): the registration holds it
+    weakly, so it keeps nothing alive and does nothing once it is gone."""
     ref = weakref.ref(ledger)
 
     def after_in_child() -> None:
@@ -323,9 +323,7 @@ def held(dir_fd: int, name: str, fd: int, names: Iterable[str]) -> bool:
     of the instance's workers still holds a companion (owned by the entry's
     owner: one planted by another user keeps nothing counted). ``names``:
     the folder's files."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if _locked(fd):
         return True
     owner = os.fstat(fd).st_uid
     for companion in companions_of(name, names):
@@ -333,11 +331,7 @@ def held(dir_fd: int, name: str, fd: int, names: Iterable[str]) -> bool:
         if companion_fd is None:
             continue
         try:
-            if os.fstat(companion_fd).st_uid != owner:
-                continue
-            try:
-                fcntl.flock(companion_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if os.fstat(companion_fd).st_uid == owner and _locked(companion_fd):
                 return True
         finally:
             os.close(companion_fd)
@@ -351,14 +345,21 @@ def _remove_unlocked(dir_fd: int, names: Iterable[str]) -> None:
         if fd is None:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dir_fd)
+            if not _locked(fd):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=dir_fd)
         finally:
             os.close(fd)
+
+
+def _locked(fd: int) -> bool:
+    """Whether another open file description holds a lock on the file open on
+    ``fd`` (if not, ``fd`` holds a shared one now, until it is closed)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    return False
 
 
 class Companions:
@@ -371,14 +372,7 @@ class Companions:
         self.held: dict[tuple[str, str], tuple[int, int, str]] = {}
         """By (ledger folder, entry name): the folder's descriptor, the
         companion's (holding its lock) and its name."""
-        ref = weakref.ref(self)
-
-        def after_in_child() -> None:
-            found = ref()
-            if found is not None:
-                found.forget()
-
-        os.register_at_fork(after_in_child=after_in_child)
+        _forget_in_forked_children(self)
 
     def hold(self, folder: str, key: str, entry: str, rank: int) -> bool:
         """Create and lock ``<entry>.w<rank>`` beside ``entry`` in the ledger
