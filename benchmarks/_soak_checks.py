@@ -400,7 +400,7 @@ def read_ledger(lock_dir: Path, wait_s: float = 0.5) -> tuple[list[dict[str, Any
             locked &= held
             dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
             try:
-                entries += _live_entries(folder, dir_fd)
+                entries += _live_entries(dir_fd)
             finally:
                 os.close(dir_fd)
         finally:
@@ -408,8 +408,8 @@ def read_ledger(lock_dir: Path, wait_s: float = 0.5) -> tuple[list[dict[str, Any
     return entries, locked
 
 
-def _live_entries(folder: Path, dir_fd: int) -> list[dict[str, Any]]:
-    """The entries of the ledger ``folder`` (open on ``dir_fd``) whose
+def _live_entries(dir_fd: int) -> list[dict[str, Any]]:
+    """The entries of the ledger folder open on ``dir_fd`` whose
     engine core or one of whose workers lives (``budget_ledger.held``)."""
     entries = []
     names = os.listdir(dir_fd)
