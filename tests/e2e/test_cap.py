@@ -11,7 +11,8 @@ import pytest
 
 from tests.e2e.conftest import cap_error, node_memory
 
-# Runs alone (tests/conftest.py, ALONE_MODULES): premises on the memory node's free memory.
+# Not alone (tests/conftest.py, ALONE_MODULES): its premises on the memory node's free memory
+# keep gigabytes of margin, and each is asserted where it is made.
 MiB = 2**20
 INFO_RE = re.compile(
     r"KV cache max memory: \S+ = (?P<cap>\d+) bytes .*? vLLM budget (?P<budget>\d+) bytes .*?; "
